@@ -1,0 +1,22 @@
+# Two commands do all the set-up on a fresh machine with Python 3.11:
+#   make run   -> the main job on the embedded default
+#   make test  -> the test suite (fast subset: make test-fast)
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	touch $@
+
+.PHONY: run test test-fast
+run: $(BIN)/.installed
+	$(BIN)/python -m experiments.run --config=tiny
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q tests
+
+test-fast: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -m "not slow" tests

@@ -1,0 +1,86 @@
+"""The one complete config: every field the library reads, with the paper's defaults (SPEC §2, §6).
+
+Other configs start from `get_config()` here and override a few fields; an ablation adds
+`get_sweep()`, a list of flattened overrides, one per run.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0                      # parameter init and anything else random outside the data order
+
+  c.model = ml_collections.ConfigDict()
+  c.model.vocab_size = 8192
+  c.model.dim = 256
+  c.model.num_layers = 4
+  c.model.num_heads = 4
+  c.model.num_kv_heads = 2        # grouped-query attention, G kv heads (Table 3: 4 of 16 or 32)
+  c.model.head_dim = 64
+  c.model.mlp_dim = 768           # SwiGLU width F
+  c.model.rope_base = 10_000.0
+  c.model.rope_interleaved = False  # True for GGUF-exported llama weights
+  c.model.qk_norm = True          # Table 3
+  c.model.tie_embeddings = False  # Table 3: embedding_tie=False
+  c.model.norm_eps = 1e-6
+  c.model.max_seq_len = 2048
+  c.model.dtype = 'float32'       # compute dtype: 'float32' | 'bfloat16'; params and losses stay f32
+  c.model.remat = False           # rematerialise blocks in the backward pass (saves activation memory)
+
+  c.mtp = ml_collections.ConfigDict()
+  c.mtp.num_heads = 1             # K, DeepSeek-V3-style sequential MTP heads; 0 = plain LM
+  c.mtp.ce_weight = 0.3           # λ; each head's CE weight is α_k = λ/K  (SPEC §2.1, [I])
+  c.mtp.isolate_trunk = False     # stop the MTP losses' gradient into the trunk's hidden state
+
+  c.distill = ml_collections.ConfigDict()
+  c.distill.enabled = True        # False = the plain "MTP" baseline (CE only)
+  c.distill.detach = True         # stop-gradient on the teacher logits ("no detach" ablation: False)
+
+  c.distill.top_n = config_dict.FieldReference(667, field_type=object)  # N (int) or None = whole vocabulary; 667 ≈ 8.1% of V, the paper's 10,000 of 122,880
+  c.distill.top_n_mode = 'teacher'  # 'teacher' | 'union' (teacher ∪ student top-N: "10000x2")
+  c.distill.renormalize = True    # softmax over the selected logits on both sides; False = partial KL
+  c.distill.kl = 'forward'        # 'forward' = KL(teacher ‖ student) | 'reverse'
+  c.distill.tau = 1.0             # softmax temperature of both distributions
+  c.distill.beta = config_dict.placeholder(object)  # β_k: None = paper default (1.0 for K=1, 0.5 for K>1), a float, or K floats
+  c.distill.beta_schedule = 'constant'  # 'constant' | 'exp_decay' | 'linear_decay' | 'linear_increase'
+  c.distill.step_gamma = 0.6      # decay factor of 'exp_decay': β_k = β·γ^(k-1) ("step weights")
+  c.distill.teacher = 'main'      # 'main' | 'ensemble_mean' (mean of every earlier predictor)
+  c.distill.warmup_steps = 0      # linear ramp of β from 0 over these steps (0 = KL from step 0)
+
+  c.data = ml_collections.ConfigDict()
+  c.data.source = 'synthetic'     # 'synthetic' (learnable, in memory) | 'tokens' (a .npy token file)
+  c.data.train_path = ''          # 1-D .npy of token ids, documents joined by eos_id
+  c.data.eos_id = 0
+  c.data.eval_fraction = 0.01     # tail of the token file held out for evaluation
+  c.data.seq_len = 256            # T
+  c.data.batch_size = 8           # global batch, split over the data-parallel mesh axes
+  c.data.seed = 0                 # data order; the same for every variant of a sweep
+  c.data.shuffle = True
+  c.data.synthetic_records = 65_536
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 2000
+  c.train.lr = 3e-4               # Table 4 (AdamW, β 0.9/0.95, ε 1e-8, wd 0.1, clip 1.0)
+  c.train.b1 = 0.9
+  c.train.b2 = 0.95
+  c.train.eps = 1e-8
+  c.train.weight_decay = 0.1      # applied to matrices, not to norm scales
+  c.train.clip_norm = 1.0
+  c.train.warmup_frac = 0.02      # linear warm-up, then cosine decay to min_lr_frac · lr ([I])
+  c.train.min_lr_frac = 0.1
+  c.train.trainable = config_dict.FieldReference('all', field_type=object)      # 'all' | 'mtp_heads' | a list of 1-based head indices, e.g. [2]
+  c.train.on_nan = 'stop'         # 'stop' | 'skip' (drop the update of a non-finite step)
+  c.train.log_every = 10
+  c.train.eval_every = 0          # 0 = evaluate only at the end
+  c.train.eval_batches = 4
+
+  c.ckpt = ml_collections.ConfigDict()
+  c.ckpt.every_steps = 500
+  c.ckpt.max_to_keep = 2
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.shape = (1, -1, 1)       # -1 takes the remaining devices
+  c.mesh.axes = ('data', 'fsdp', 'model')
+  return c

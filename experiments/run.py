@@ -1,0 +1,94 @@
+"""Train (and evaluate) one config or every point of its sweep.
+
+  python -m experiments.run --config=NAME [--config.a.b=v ...] [--sweep_index=i] [--workdir=DIR]
+
+NAME resolves to configs/NAME.py (a path works too); `NAME:arg` passes `arg` to get_config.
+Rerunning the same command resumes from the latest checkpoint in the workdir.
+"""
+
+import importlib.util
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/NAME.py or NAME', lock_config=True)
+_SWEEP_INDEX = flags.DEFINE_integer('sweep_index', None, 'run only this point of get_sweep()')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'default: runs/NAME[/i]')
+
+
+def resolve_config_arg(value: str) -> str:
+  """'tiny' -> '<repo>/configs/tiny.py'; paths and 'path:arg' forms pass through."""
+  name, sep, arg = value.partition(':')
+  if not name.endswith('.py') and os.sep not in name:
+    name = os.path.join(CONFIG_DIR, name + '.py')
+  if not os.path.isfile(name):
+    raise SystemExit(f'error: config file {name} does not exist')
+  return name + sep + arg
+
+
+def _rewrite_argv(argv: list[str]) -> list[str]:
+  out = []
+  for a in argv:
+    if a.startswith('--config='):
+      a = '--config=' + resolve_config_arg(a[len('--config='):])
+    out.append(a)
+  return out
+
+
+def config_name(path: str) -> str:
+  return os.path.splitext(os.path.basename(path.partition(':')[0]))[0]
+
+
+def load_sweep(path: str) -> list[dict]:
+  """get_sweep() of the config module, or one empty point if it has none."""
+  spec = importlib.util.spec_from_file_location('_config_module', path.partition(':')[0])
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_sweep() if hasattr(module, 'get_sweep') else [{}]
+
+
+def maybe_initialize_distributed() -> None:
+  """Join a multi-process run when the environment describes one (JAX_COORDINATOR_ADDRESS etc.)."""
+  import jax
+  if 'JAX_COORDINATOR_ADDRESS' in os.environ:
+    jax.distributed.initialize(os.environ['JAX_COORDINATOR_ADDRESS'],
+                               int(os.environ['JAX_NUM_PROCESSES']), int(os.environ['JAX_PROCESS_ID']))
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  from mtpd_jax import train  # after flag parsing, so --help stays fast
+  maybe_initialize_distributed()
+  path = flags.FLAGS['config'].config_filename
+  name = config_name(path)
+  sweep = load_sweep(path)
+  indices = range(len(sweep)) if _SWEEP_INDEX.value is None else [_SWEEP_INDEX.value]
+  for i in indices:
+    if not 0 <= i < len(sweep):
+      raise ValueError(f'--sweep_index={i} is outside the {len(sweep)} points of {name}')
+    config = _CONFIG.value.copy_and_resolve_references()
+    config.update_from_flattened_dict(sweep[i])
+    workdir = _WORKDIR.value or os.path.join('runs', name)
+    if len(sweep) > 1:
+      workdir = os.path.join(workdir, str(i))
+    print(f'[{name}{"" if len(sweep) == 1 else f" {i}"}] workdir {workdir}', flush=True)
+    _, final = train.train_and_evaluate(config, workdir)
+    print(' '.join(f'{k}={v:.4f}' for k, v in sorted(final.items())), flush=True)
+
+
+def run():
+  sys.argv = _rewrite_argv(sys.argv)
+  try:
+    app.run(main)
+  except (ValueError, FileNotFoundError, TypeError, KeyError) as e:  # bad input: one line, exit 2
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == '__main__':
+  run()

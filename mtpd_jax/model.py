@@ -1,0 +1,289 @@
+"""Llama-style decoder with K DeepSeek-V3-style multi-token-prediction (MTP) heads, in Flax NNX.
+
+Dimension legend (suffixes, einsum letters, logical axes): B batch, T query positions, S key
+positions, D model width, H attention heads, G kv heads, R query heads per kv head (H / G),
+E head width, F MLP width, V vocab, L layers, K MTP heads.
+
+Alignment: the main head at position i predicts token i+1; MTP head k (1-based) at position i
+reads the hidden state h^{k-1}_i and the embedding of token i+k, and predicts token i+k+1.
+
+Every method is a pure function of its arguments (KV caches are passed in and returned), so the
+same module serves training (`__call__`) and cached decoding (`trunk`, `mtp_head`, `logits`).
+"""
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Cache = dict[str, jax.Array]  # one attention layer's {'k': BxSxGxE, 'v': BxSxGxE}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape and numerics of the trunk and its MTP heads (Table 3 of the paper names the knobs)."""
+  vocab_size: int = 8192
+  dim: int = 256
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 64
+  mlp_dim: int = 768
+  num_mtp_heads: int = 1          # K; 0 is a plain language model
+  rope_base: float = 10_000.0
+  rope_interleaved: bool = False  # pairs (2j, 2j+1) as in GGUF exports; else rotate_half halves
+  qk_norm: bool = True
+  tie_embeddings: bool = False
+  norm_eps: float = 1e-6
+  max_seq_len: int = 2048
+  dtype: str = 'float32'          # compute dtype; params stay f32, softmax and losses f32
+  remat: bool = False             # rematerialise each block in the backward pass
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f'num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}')
+    if self.head_dim % 2:
+      raise ValueError(f'head_dim={self.head_dim} must be even for RoPE')
+    if self.num_mtp_heads < 0:
+      raise ValueError(f'num_mtp_heads={self.num_mtp_heads} must be >= 0')
+
+
+def _param(rngs: nnx.Rngs, init, shape, axes) -> nnx.Param:
+  """A float32 parameter that carries its logical axis names (mapped to the mesh in sharding.py)."""
+  return nnx.Param(init(rngs.params(), shape, jnp.float32), axes=axes)
+
+
+_dense_init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')
+
+
+def _dense_init_in_axes(*in_axes):
+  return nnx.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal', in_axis=in_axes,
+                                           out_axis=-1)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
+    self.scale = _param(rngs, nnx.initializers.ones, (dim,), ('norm',))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...]).astype(x.dtype)
+
+
+def rope(x_BxTxHxE, positions_BxT, base: float, interleaved: bool):
+  """Rotary embedding; `interleaved` rotates pairs (2j, 2j+1), else pairs (j, j + E/2)."""
+  e = x_BxTxHxE.shape[-1]
+  inv_freq = base ** (-jnp.arange(0, e, 2, dtype=jnp.float32) / e)
+  angle_BxTx1xE2 = positions_BxT[..., None, None].astype(jnp.float32) * inv_freq
+  sin, cos = jnp.sin(angle_BxTx1xE2), jnp.cos(angle_BxTx1xE2)
+  x = x_BxTxHxE.astype(jnp.float32)
+  if interleaved:
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+  else:
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxHxE.dtype)
+
+
+def attention_mask(positions_BxT, segment_ids_BxT=None):
+  """Training mask BxTxS: causal and, for packed sequences, within one document."""
+  mask_BxTxS = positions_BxT[:, None, :] <= positions_BxT[:, :, None]
+  if segment_ids_BxT is not None:
+    mask_BxTxS &= segment_ids_BxT[:, None, :] == segment_ids_BxT[:, :, None]
+  return mask_BxTxS
+
+
+def cache_mask(positions_BxT, cache_len: int):
+  """Decoding mask BxTxS over a cache of `cache_len` slots: key slot s is visible iff s <= query position.
+
+  Slots past a sequence's current length hold stale drafts or padding; they are never visible
+  because every call writes the slots of all positions it queries before attending.
+  """
+  return jnp.arange(cache_len)[None, None, :] <= positions_BxT[:, :, None]
+
+
+def init_cache(cfg: ModelConfig, batch: int, cache_len: int, num_layers: int) -> list[Cache]:
+  """Zeroed KV caches for `num_layers` attention layers."""
+  shape = (batch, cache_len, cfg.num_kv_heads, cfg.head_dim)
+  dtype = jnp.dtype(cfg.dtype)
+  return [{'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)} for _ in range(num_layers)]
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with RoPE and optional qk-norm; writes its KV cache by position."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, h, g, e = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.cfg = cfg
+    self.wq = _param(rngs, _dense_init, (d, h, e), ('embed', 'heads', 'head_dim'))
+    self.wk = _param(rngs, _dense_init, (d, g, e), ('embed', 'kv_heads', 'head_dim'))
+    self.wv = _param(rngs, _dense_init, (d, g, e), ('embed', 'kv_heads', 'head_dim'))
+    self.wo = _param(rngs, _dense_init_in_axes(0, 1), (h, e, d), ('heads', 'head_dim', 'embed'))
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(e, cfg.norm_eps, rngs)
+      self.k_norm = RMSNorm(e, cfg.norm_eps, rngs)
+
+  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None):
+    cfg, dt = self.cfg, x_BxTxD.dtype
+    q_BxTxHxE = jnp.einsum('btd,dhe->bthe', x_BxTxD, self.wq[...].astype(dt))
+    k_BxTxGxE = jnp.einsum('btd,dge->btge', x_BxTxD, self.wk[...].astype(dt))
+    v_BxTxGxE = jnp.einsum('btd,dge->btge', x_BxTxD, self.wv[...].astype(dt))
+    if cfg.qk_norm:
+      q_BxTxHxE, k_BxTxGxE = self.q_norm(q_BxTxHxE), self.k_norm(k_BxTxGxE)
+    q_BxTxHxE = rope(q_BxTxHxE, positions_BxT, cfg.rope_base, cfg.rope_interleaved)
+    k_BxTxGxE = rope(k_BxTxGxE, positions_BxT, cfg.rope_base, cfg.rope_interleaved)
+    if cache is not None:  # write this call's keys at their positions, then attend over the cache
+      b_Bx1 = jnp.arange(positions_BxT.shape[0])[:, None]
+      cache = {'k': cache['k'].at[b_Bx1, positions_BxT].set(k_BxTxGxE, mode='drop'),
+               'v': cache['v'].at[b_Bx1, positions_BxT].set(v_BxTxGxE, mode='drop')}
+      k_BxSxGxE, v_BxSxGxE = cache['k'], cache['v']
+    else:
+      k_BxSxGxE, v_BxSxGxE = k_BxTxGxE, v_BxTxGxE
+    b, t, h, e = q_BxTxHxE.shape
+    g = cfg.num_kv_heads
+    q_BxTxGxRxE = q_BxTxHxE.reshape(b, t, g, h // g, e)
+    scores_BxGxRxTxS = jnp.einsum('btgre,bsge->bgrts', q_BxTxGxRxE, k_BxSxGxE,
+                                  preferred_element_type=jnp.float32) / jnp.sqrt(e).astype(jnp.float32)
+    scores_BxGxRxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxGxRxTxS, -1e30)
+    probs_BxGxRxTxS = jax.nn.softmax(scores_BxGxRxTxS, axis=-1).astype(dt)  # softmax in f32
+    out_BxTxGxRxE = jnp.einsum('bgrts,bsge->btgre', probs_BxGxRxTxS, v_BxSxGxE)
+    out_BxTxD = jnp.einsum('bthe,hed->btd', out_BxTxGxRxE.reshape(b, t, h, e), self.wo[...].astype(dt))
+    return out_BxTxD, cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, f = cfg.dim, cfg.mlp_dim
+    self.w_gate = _param(rngs, _dense_init, (d, f), ('embed', 'mlp'))
+    self.w_up = _param(rngs, _dense_init, (d, f), ('embed', 'mlp'))
+    self.w_down = _param(rngs, _dense_init, (f, d), ('mlp', 'embed'))
+
+  def __call__(self, x_BxTxD):
+    dt = x_BxTxD.dtype
+    gate_BxTxF = jnp.einsum('btd,df->btf', x_BxTxD, self.w_gate[...].astype(dt))
+    up_BxTxF = jnp.einsum('btd,df->btf', x_BxTxD, self.w_up[...].astype(dt))
+    return jnp.einsum('btf,fd->btd', jax.nn.silu(gate_BxTxF) * up_BxTxF, self.w_down[...].astype(dt))
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer block: x + Attn(RMSNorm(x)), then + MLP(RMSNorm(.))."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, rngs)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, rngs)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None):
+    attn_BxTxD, cache = self.attn(self.attn_norm(x_BxTxD), positions_BxT, mask_BxTxS, cache)
+    x_BxTxD = x_BxTxD + attn_BxTxD
+    return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), cache
+
+
+def _run_block(block: Block, remat: bool, *args):
+  if remat:
+    return nnx.remat(lambda blk, *a: blk(*a))(block, *args)
+  return block(*args)
+
+
+class MTPHead(nnx.Module):
+  """DeepSeek-V3 MTP module k: h^k_i = TRM_k(M_k [RMSNorm(h^{k-1}_i); RMSNorm(Emb(t_{i+k}))])."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.hidden_norm = RMSNorm(cfg.dim, cfg.norm_eps, rngs)
+    self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps, rngs)
+    self.proj = _param(rngs, _dense_init, (2 * cfg.dim, cfg.dim), ('embed_in', 'embed'))
+    self.block = Block(cfg, rngs)
+    self.remat = cfg.remat
+
+  def __call__(self, h_prev_BxTxD, emb_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None):
+    dt = h_prev_BxTxD.dtype
+    x_BxTx2D = jnp.concatenate([self.hidden_norm(h_prev_BxTxD), self.embed_norm(emb_BxTxD)], axis=-1)
+    x_BxTxD = jnp.einsum('btc,cd->btd', x_BxTx2D, self.proj[...].astype(dt))
+    return _run_block(self.block, self.remat, x_BxTxD, positions_BxT, mask_BxTxS, cache)
+
+
+class ModelOutput(NamedTuple):
+  logits_BxTxV: jax.Array             # main head, f32; position i predicts token i+1
+  mtp_logits_KxBxTxV: jax.Array       # head k at i predicts token i+k+1; the last k positions are padding
+  hidden_K1xBxTxD: jax.Array          # h^0 (trunk, before the final norm) and h^1..h^K
+
+
+def shift_left(x_BxT, k: int, fill: Any = 0):
+  """x[:, i + k] at position i; the last k positions get `fill`."""
+  if k == 0:
+    return x_BxT
+  pad = jnp.full((x_BxT.shape[0], k) + x_BxT.shape[2:], fill, x_BxT.dtype)
+  return jnp.concatenate([x_BxT[:, k:], pad], axis=1)
+
+
+class MTPTransformer(nnx.Module):
+  """Trunk + shared output head + K MTP heads; embedding and output head are shared by all heads."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = _param(rngs, nnx.initializers.normal(0.02), (cfg.vocab_size, cfg.dim), ('vocab', 'embed'))
+    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, rngs)
+    if not cfg.tie_embeddings:
+      self.unembed = _param(rngs, _dense_init, (cfg.dim, cfg.vocab_size), ('embed', 'vocab'))
+    self.mtp_heads = nnx.List([MTPHead(cfg, rngs) for _ in range(cfg.num_mtp_heads)])
+
+  def embed_tokens(self, tokens_BxT):
+    return jnp.take(self.embed[...], tokens_BxT, axis=0).astype(jnp.dtype(self.cfg.dtype))
+
+  def trunk(self, tokens_BxT, positions_BxT, mask_BxTxS, caches: list[Cache] | None = None):
+    """Hidden states h^0 (before the final norm) and the updated per-layer caches."""
+    x_BxTxD = self.embed_tokens(tokens_BxT)
+    new_caches = []
+    for layer, block in enumerate(self.blocks):
+      cache = None if caches is None else caches[layer]
+      x_BxTxD, cache = _run_block(block, self.cfg.remat, x_BxTxD, positions_BxT, mask_BxTxS, cache)
+      new_caches.append(cache)
+    return x_BxTxD, (None if caches is None else new_caches)
+
+  def logits(self, h_BxTxD):
+    """Shared output head (final RMSNorm + unembedding), returned in f32."""
+    x_BxTxD = self.final_norm(h_BxTxD)
+    w_DxV = self.embed[...].T if self.cfg.tie_embeddings else self.unembed[...]
+    return jnp.einsum('btd,dv->btv', x_BxTxD, w_DxV.astype(x_BxTxD.dtype),
+                      preferred_element_type=jnp.float32)
+
+  def mtp_head(self, k: int, h_prev_BxTxD, next_tokens_BxT, positions_BxT, mask_BxTxS,
+               cache: Cache | None = None):
+    """Head k (1-based) given h^{k-1} and the token k steps ahead of each position."""
+    return self.mtp_heads[k - 1](h_prev_BxTxD, self.embed_tokens(next_tokens_BxT), positions_BxT,
+                                 mask_BxTxS, cache)
+
+  def __call__(self, tokens_BxT, segment_ids_BxT=None, *, isolate_trunk: bool = False) -> ModelOutput:
+    """Teacher-forced forward of the main head and all K heads over one (packed) sequence batch."""
+    b, t = tokens_BxT.shape
+    positions_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
+    mask_BxTxS = attention_mask(positions_BxT, segment_ids_BxT)
+    h_BxTxD, _ = self.trunk(tokens_BxT, positions_BxT, mask_BxTxS)
+    logits_BxTxV = self.logits(h_BxTxD)
+    hiddens, mtp_logits = [h_BxTxD], []
+    # isolate_trunk: the MTP losses then train the heads but never move the trunk's hidden state.
+    h_prev_BxTxD = jax.lax.stop_gradient(h_BxTxD) if isolate_trunk else h_BxTxD
+    for k in range(1, self.cfg.num_mtp_heads + 1):
+      h_prev_BxTxD, _ = self.mtp_head(k, h_prev_BxTxD, shift_left(tokens_BxT, k), positions_BxT, mask_BxTxS)
+      hiddens.append(h_prev_BxTxD)
+      mtp_logits.append(self.logits(h_prev_BxTxD))
+    mtp_logits_KxBxTxV = (jnp.stack(mtp_logits) if mtp_logits
+                          else jnp.zeros((0, b, t, self.cfg.vocab_size), jnp.float32))
+    return ModelOutput(logits_BxTxV, mtp_logits_KxBxTxV, jnp.stack(hiddens))
+
+
+def param_count(cfg: ModelConfig) -> int:
+  """Closed-form parameter count, checked against the built model in the tests."""
+  d, h, g, e, f, v = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+  block = 2 * d + d * h * e + 2 * d * g * e + h * e * d + 3 * d * f + (2 * e if cfg.qk_norm else 0)
+  head = 2 * d + 2 * d * d + block
+  return v * d * (1 if cfg.tie_embeddings else 2) + cfg.num_layers * block + d + cfg.num_mtp_heads * head

@@ -1,0 +1,96 @@
+"""Device mesh, the one table of logical-axis rules, and the shardings of state and batches.
+
+Mesh axes: `data` (pure data parallel: params replicated), `fsdp` (data parallel with params and
+optimizer moments sharded over `embed`), `model` (tensor parallel over vocab, heads and MLP).
+Parameters carry logical axis names (model.py); `AXIS_RULES` maps them onto mesh axes.
+"""
+
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ('data', 'fsdp', 'model')
+
+# logical name -> mesh axes it is split over (in order); a name not listed is replicated.
+AXIS_RULES = {
+    'batch': ('data', 'fsdp'),
+    'embed': ('fsdp',),
+    'vocab': ('model',),
+    'heads': ('model',),
+    'kv_heads': ('model',),
+    'mlp': ('model',),
+}
+
+
+def resolve_mesh_shape(shape, axes, num_devices: int) -> tuple[int, ...]:
+  """Fill one -1 entry so the mesh covers every device; raise ValueError on any mismatch."""
+  shape, axes = tuple(int(s) for s in shape), tuple(axes)
+  if len(shape) != len(axes):
+    raise ValueError(f'mesh.shape {shape} and mesh.axes {axes} differ in length')
+  unknown = [a for a in axes if a not in MESH_AXES]
+  if unknown or len(set(axes)) != len(axes):
+    raise ValueError(f'mesh.axes {axes}: each must be one of {MESH_AXES}, at most once')
+  if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+    raise ValueError(f'mesh.shape {shape}: positive sizes and at most one -1')
+  known = math.prod(s for s in shape if s != -1)
+  if num_devices % known:
+    raise ValueError(f'mesh.shape {shape} does not divide the {num_devices} devices')
+  shape = tuple(num_devices // known if s == -1 else s for s in shape)
+  if math.prod(shape) != num_devices:
+    raise ValueError(f'mesh.shape {shape} uses {math.prod(shape)} devices, but {num_devices} are present')
+  return shape
+
+
+def make_mesh(shape, axes, devices=None) -> jax.sharding.Mesh:
+  """A mesh over `devices` (default: all devices of all processes), with Auto axis types."""
+  axis_types = (AxisType.Auto,) * len(axes)
+  if devices is None:
+    shape = resolve_mesh_shape(shape, axes, jax.device_count())
+    return jax.make_mesh(shape, tuple(axes), axis_types=axis_types)
+  shape = resolve_mesh_shape(shape, axes, len(devices))
+  return jax.sharding.Mesh(np.asarray(devices).reshape(shape), tuple(axes), axis_types=axis_types)
+
+
+def logical_to_spec(logical_axes, shape, mesh) -> P:
+  """PartitionSpec for a tensor; mesh axes that are absent, reused or do not divide the dim are dropped."""
+  used, spec = set(), []
+  for name, dim in zip(logical_axes, shape):
+    mesh_axes = []
+    for ax in AXIS_RULES.get(name, ()):
+      size = mesh.shape.get(ax, 1)
+      if size > 1 and ax not in used and dim % (size * math.prod(mesh.shape[a] for a in mesh_axes)) == 0:
+        mesh_axes.append(ax)
+        used.add(ax)
+    spec.append(tuple(mesh_axes) if len(mesh_axes) > 1 else (mesh_axes[0] if mesh_axes else None))
+  return P(*spec)
+
+
+def _is_variable(x):
+  return isinstance(x, nnx.Variable)
+
+
+def param_shardings(abstract_params: nnx.State, mesh) -> nnx.State:
+  """Each parameter's NamedSharding, from its `axes` metadata and AXIS_RULES."""
+  def one(var):
+    axes = var.get_metadata().get('axes') or (None,) * var.ndim
+    return var.replace(NamedSharding(mesh, logical_to_spec(axes, var.shape, mesh)))
+  return jax.tree.map(one, abstract_params, is_leaf=_is_variable)
+
+
+def batch_spec(mesh) -> P:
+  """Batch rows split over every data-parallel axis of the mesh."""
+  axes = tuple(a for a in AXIS_RULES['batch'] if mesh.shape.get(a, 1) > 1)
+  return P(axes if axes else None)
+
+
+def data_parallel_size(mesh) -> int:
+  return math.prod(mesh.shape.get(a, 1) for a in AXIS_RULES['batch'])
+
+
+def put_batch(local_batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
+  """Global arrays from this process's rows of the batch (multi-host safe)."""
+  sharding = NamedSharding(mesh, batch_spec(mesh))
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}

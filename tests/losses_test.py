@@ -1,0 +1,152 @@
+"""Hand-computed cases of the MTP-D loss (SPEC §2.7)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtpd_jax import losses
+
+
+def _np_kl(q_logits, p_logits):
+  q = np.exp(q_logits - np.log(np.exp(q_logits).sum(-1, keepdims=True)))
+  p = np.exp(p_logits - np.log(np.exp(p_logits).sum(-1, keepdims=True)))
+  return (q * (np.log(q) - np.log(p))).sum(-1)
+
+
+def _rand(key, shape):
+  return jax.random.normal(jax.random.key(key), shape) * 2.0
+
+
+def test_kl_is_zero_when_student_equals_teacher():
+  t = _rand(0, (2, 5, 11))
+  for idx in (None, losses.top_n_indices(t, t, 4, 'teacher')[0]):
+    for direction in ('forward', 'reverse'):
+      np.testing.assert_allclose(losses.kl_divergence(t, t, idx, direction=direction), 0.0, atol=1e-6)
+
+
+def test_whole_vocabulary_kl_matches_numpy():
+  t, s = _rand(1, (2, 3, 7)), _rand(2, (2, 3, 7))
+  np.testing.assert_allclose(losses.kl_divergence(t, s), _np_kl(np.asarray(t), np.asarray(s)), rtol=1e-5)
+  # Top-N with N = V, renormalised, is the whole-vocabulary KL.
+  idx, _ = losses.top_n_indices(t, s, 7, 'teacher')
+  np.testing.assert_allclose(losses.kl_divergence(t, s, idx), losses.kl_divergence(t, s), rtol=1e-5)
+
+
+def test_top_n_renormalised_matches_hand_computation_and_n1_is_zero():
+  t = jnp.array([[[3.0, 1.0, 2.0, -1.0]]])
+  s = jnp.array([[[0.5, 2.0, 1.0, 0.0]]])
+  idx, _ = losses.top_n_indices(t, s, 2, 'teacher')
+  assert sorted(np.asarray(idx).ravel().tolist()) == [0, 2]
+  # Renormalised over S = {0, 2}: teacher logits (3, 2), student (0.5, 1).
+  expected = _np_kl(np.array([3.0, 2.0]), np.array([0.5, 1.0]))
+  np.testing.assert_allclose(losses.kl_divergence(t, s, idx)[0, 0], expected, rtol=1e-5)
+  idx1, _ = losses.top_n_indices(t, s, 1, 'teacher')
+  assert float(losses.kl_divergence(t, s, idx1)[0, 0]) == 0.0
+
+
+def test_partial_kl_uses_full_vocabulary_softmax():
+  t = jnp.array([[[3.0, 1.0, 2.0, -1.0]]])
+  s = jnp.array([[[0.5, 2.0, 1.0, 0.0]]])
+  idx, _ = losses.top_n_indices(t, s, 2, 'teacher')
+  lq, lp = jax.nn.log_softmax(t[0, 0]), jax.nn.log_softmax(s[0, 0])
+  expected = sum(float(jnp.exp(lq[v]) * (lq[v] - lp[v])) for v in (0, 2))
+  got = losses.kl_divergence(t, s, idx, renormalize=False)[0, 0]
+  np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_forward_and_reverse_differ_on_an_asymmetric_case():
+  t = jnp.log(jnp.array([[[0.9, 0.05, 0.05]]]))
+  s = jnp.log(jnp.array([[[0.4, 0.3, 0.3]]]))
+  fwd = float(losses.kl_divergence(t, s, direction='forward')[0, 0])
+  rev = float(losses.kl_divergence(t, s, direction='reverse')[0, 0])
+  np.testing.assert_allclose(fwd, 0.9 * np.log(0.9 / 0.4) + 2 * 0.05 * np.log(0.05 / 0.3), rtol=1e-5)
+  np.testing.assert_allclose(rev, 0.4 * np.log(0.4 / 0.9) + 2 * 0.3 * np.log(0.3 / 0.05), rtol=1e-5)
+  assert abs(fwd - rev) > 0.1
+
+
+def test_union_mode_index_set_is_teacher_and_student_top_n_without_duplicates():
+  t = jnp.array([[[5.0, 4.0, 0.0, 0.0, 0.0, 0.0]]])
+  s = jnp.array([[[4.0, 0.0, 0.0, 0.0, 0.0, 5.0]]])  # student top-2 = {5, 0}; 0 is shared
+  idx, valid = losses.top_n_indices(t, s, 2, 'union')
+  chosen = {int(i) for i, v in zip(np.asarray(idx).ravel(), np.asarray(valid).ravel()) if v}
+  assert chosen == {0, 1, 5} and int(np.asarray(valid).sum()) == 3
+  # The KL over the union equals a renormalised KL over exactly {0, 1, 5}.
+  sel = np.array([0, 1, 5])
+  expected = _np_kl(np.asarray(t)[0, 0, sel], np.asarray(s)[0, 0, sel])
+  np.testing.assert_allclose(losses.kl_divergence(t, s, idx, valid)[0, 0], expected, rtol=1e-5)
+
+
+def test_ensemble_teacher_is_the_mean_of_its_members():
+  main, heads = _rand(3, (1, 6, 5)), _rand(4, (2, 1, 6, 5))
+  got = jnp.exp(losses.ensemble_teacher(main, heads, 2))
+  # Head 2 at position i: main at i+2 and head 1 at i+1 predict the same token.
+  i = 1
+  expected = (jax.nn.softmax(main[0, i + 2]) + jax.nn.softmax(heads[0, 0, i + 1])) / 2
+  np.testing.assert_allclose(got[0, i], expected, rtol=1e-5)
+  np.testing.assert_allclose(jnp.exp(losses.ensemble_teacher(main, heads, 1))[0, 0],
+                             jax.nn.softmax(main[0, 1]), rtol=1e-5)
+
+
+def test_target_mask_drops_the_last_k_positions_and_cross_document_targets():
+  seg = jnp.array([[1, 1, 1, 2, 2, 2, 2, 0]])          # inputs; 0 = padding
+  tgt_seg = jnp.array([[1, 1, 2, 2, 2, 2, 0, 0]])      # targets = inputs shifted by one
+  np.testing.assert_array_equal(losses.target_mask(seg, tgt_seg, 0)[0], [1, 1, 0, 1, 1, 1, 0, 0])
+  np.testing.assert_array_equal(losses.target_mask(seg, tgt_seg, 1)[0], [1, 0, 0, 1, 1, 0, 0, 0])
+  np.testing.assert_array_equal(losses.target_mask(seg, tgt_seg, 2)[0], [0, 0, 0, 1, 0, 0, 0, 0])
+
+
+def _loss_inputs(k=2, b=2, t=8, v=9):
+  logits = _rand(5, (b, t, v))
+  mtp = _rand(6, (k, b, t, v))
+  targets = jax.random.randint(jax.random.key(7), (b, t), 0, v)
+  seg = jnp.ones((b, t), jnp.int32)
+  return logits, mtp, targets, seg, seg
+
+
+def test_teacher_gradient_is_zero_with_detach_and_nonzero_without():
+  logits, mtp, targets, seg, tseg = _loss_inputs()
+
+  def kl_only(main, detach):
+    _, m = losses.mtp_d_loss(main, mtp, targets, seg, tseg, beta=(1.0, 1.0), top_n=4, detach=detach)
+    return m['distill/k1/kl'] + m['distill/k2/kl']
+  assert float(jnp.abs(jax.grad(kl_only)(logits, True)).sum()) == 0.0
+  assert float(jnp.abs(jax.grad(kl_only)(logits, False)).sum()) > 0.0
+
+
+def test_mtp_d_loss_total_and_metrics_match_their_parts():
+  logits, mtp, targets, seg, tseg = _loss_inputs()
+  loss, m = losses.mtp_d_loss(logits, mtp, targets, seg, tseg, ce_weight=0.3, beta=(0.5, 0.25), top_n=4)
+  expected = m['xent'] + 0.15 * (m['mtp/k1/xent'] + m['mtp/k2/xent']) + 0.5 * m['distill/k1/kl'] \
+      + 0.25 * m['distill/k2/kl']
+  np.testing.assert_allclose(loss, expected, rtol=1e-6)
+  # Head 2's CE at position i is against targets[i+2] over positions 0..T-3.
+  ce = losses.xent(mtp[1][:, :-2], targets[:, 2:]).mean()
+  np.testing.assert_allclose(m['mtp/k2/xent'], ce, rtol=1e-5)
+  # Head 2's KL at position i uses the main logits at i+2 as teacher.
+  idx, _ = losses.top_n_indices(logits[:, 2:], None, 4, 'teacher')
+  kl = losses.kl_divergence(logits[:, 2:], mtp[1][:, :-2], idx).mean()
+  np.testing.assert_allclose(m['distill/k2/kl'], kl, rtol=1e-5)
+  # Plain MTP: no KL terms at all.
+  loss_ce, m_ce = losses.mtp_d_loss(logits, mtp, targets, seg, tseg, beta=(0.5, 0.25), distill=False)
+  assert 'distill/k1/kl' not in m_ce
+  np.testing.assert_allclose(loss_ce, m['xent'] + 0.15 * (m['mtp/k1/xent'] + m['mtp/k2/xent']), rtol=1e-6)
+
+
+def test_agreement_metric_counts_argmax_matches_with_the_main_head_at_i_plus_k():
+  v = 4
+  main_arg = jnp.array([[0, 1, 2, 3, 0, 1]])
+  logits = jax.nn.one_hot(main_arg, v) * 5
+  head_arg = jnp.array([[1, 2, 0, 1, 2, 3]])   # agrees with the main argmax at i+1 for i = 0, 1 only
+  mtp = (jax.nn.one_hot(head_arg, v) * 5)[None]
+  seg = jnp.ones((1, 6), jnp.int32)
+  _, m = losses.mtp_d_loss(logits, mtp, main_arg, seg, seg, beta=(1.0,), distill=False)
+  np.testing.assert_allclose(m['mtp/k1/agree'], 2 / 5)   # positions 0..4 are valid for k = 1
+
+
+def test_bad_arguments_raise():
+  logits, mtp, targets, seg, tseg = _loss_inputs()
+  with pytest.raises(ValueError, match='beta has 1 values'):
+    losses.mtp_d_loss(logits, mtp, targets, seg, tseg, beta=(1.0,))
+  with pytest.raises(ValueError, match='unknown KL direction'):
+    losses.mtp_d_loss(logits, mtp, targets, seg, tseg, beta=(1.0, 1.0), kl='sideways')

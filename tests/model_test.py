@@ -1,0 +1,116 @@
+"""Model: shapes, parameter count, causality of trunk and every MTP head, RoPE layouts, documents."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mtpd_jax import model as M
+
+CFG = M.ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                    mlp_dim=48, num_mtp_heads=3)
+
+
+def _model(cfg=CFG, seed=0):
+  return M.MTPTransformer(cfg, rngs=nnx.Rngs(seed))
+
+
+@pytest.mark.parametrize('tie,qk_norm,k', [(False, True, 3), (True, False, 0), (False, False, 1)])
+def test_shapes_and_param_count(tie, qk_norm, k):
+  cfg = M.ModelConfig(**{**CFG.__dict__, 'tie_embeddings': tie, 'qk_norm': qk_norm, 'num_mtp_heads': k})
+  model = _model(cfg)
+  _, params = nnx.split(model, nnx.Param)
+  assert sum(x.size for x in jax.tree.leaves(params)) == M.param_count(cfg)
+  out = model(jnp.zeros((2, 10), jnp.int32))
+  assert out.logits_BxTxV.shape == (2, 10, 64) and out.logits_BxTxV.dtype == jnp.float32
+  assert out.mtp_logits_KxBxTxV.shape == (k, 2, 10, 64)
+  assert out.hidden_K1xBxTxD.shape == (k + 1, 2, 10, 32)
+
+
+def test_causality_of_trunk_and_every_head():
+  """Changing token j moves the main output only at positions >= j and head k's only at >= j-k."""
+  model = _model()
+  tokens = jax.random.randint(jax.random.key(0), (1, 12), 0, 64)
+  base = model(tokens)
+  for j in (3, 7, 11):
+    out = model(tokens.at[0, j].set((tokens[0, j] + 1) % 64))
+    main_diff = np.abs(np.asarray(out.logits_BxTxV - base.logits_BxTxV)).max(-1)[0]
+    assert np.all(main_diff[:j] == 0) and main_diff[j] > 0
+    for k in range(1, CFG.num_mtp_heads + 1):
+      head_diff = np.abs(np.asarray(out.mtp_logits_KxBxTxV[k - 1] - base.mtp_logits_KxBxTxV[k - 1])).max(-1)[0]
+      # head k at position i reads token i+k, so token j first reaches it at i = j-k.
+      assert np.all(head_diff[:max(j - k, 0)] == 0), (j, k)
+      assert head_diff[j - k] > 0, (j, k)
+
+
+def test_documents_do_not_attend_across_boundaries():
+  model = _model()
+  tokens = jax.random.randint(jax.random.key(1), (1, 12), 0, 64)
+  seg = jnp.array([[1] * 6 + [2] * 6])
+  base = model(tokens, seg)
+  out = model(tokens.at[0, 2].set((tokens[0, 2] + 5) % 64), seg)  # a token of document 1
+  diff = np.abs(np.asarray(out.hidden_K1xBxTxD[0] - base.hidden_K1xBxTxD[0])).max(-1)[0]
+  assert diff[2] > 0 and np.all(diff[6:] == 0)
+  # Document 2 alone gives the same trunk states as inside the packed row (positions differ, RoPE is relative).
+  alone = model(tokens[:, 6:])
+  np.testing.assert_allclose(alone.hidden_K1xBxTxD[0], base.hidden_K1xBxTxD[0][:, 6:], atol=2e-5)
+
+
+def test_isolate_trunk_stops_mtp_gradient_into_the_trunk():
+  model = _model()
+  graphdef, params = nnx.split(model, nnx.Param)
+  tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 64)
+
+  def head_loss(p, isolate):
+    return nnx.merge(graphdef, p)(tokens, isolate_trunk=isolate).mtp_logits_KxBxTxV.sum()
+  for isolate, zero in ((True, True), (False, False)):
+    g = jax.grad(head_loss)(params, isolate)
+    trunk_norm = sum(float(jnp.abs(x).sum()) for x in jax.tree.leaves(g['blocks']))
+    assert (trunk_norm == 0) == zero
+    assert sum(float(jnp.abs(x).sum()) for x in jax.tree.leaves(g['mtp_heads'])) > 0
+
+
+def test_rope_layouts_are_a_permutation_of_each_other():
+  """Interleaved pairs (2j, 2j+1) equal rotate_half pairs (j, j+E/2) after permuting the features."""
+  x = jax.random.normal(jax.random.key(3), (2, 5, 3, 8))
+  pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+  perm = np.concatenate([np.arange(0, 8, 2), np.arange(1, 8, 2)])  # interleaved -> halves
+  inter = M.rope(x, pos, 10_000.0, interleaved=True)
+  half = M.rope(x[..., perm], pos, 10_000.0, interleaved=False)
+  np.testing.assert_allclose(inter[..., perm], half, atol=1e-5)
+  # Position 0 is the identity; norms are preserved.
+  np.testing.assert_allclose(inter[:, 0], x[:, 0], atol=1e-6)
+  np.testing.assert_allclose(jnp.linalg.norm(inter, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+
+
+def test_bf16_compute_keeps_f32_params_and_close_logits():
+  cfg16 = M.ModelConfig(**{**CFG.__dict__, 'dtype': 'bfloat16'})
+  tokens = jax.random.randint(jax.random.key(4), (2, 8), 0, 64)
+  m32, m16 = _model(), _model(cfg16)
+  _, p16 = nnx.split(m16, nnx.Param)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(p16))
+  out32, out16 = m32(tokens), m16(tokens)
+  assert out16.logits_BxTxV.dtype == jnp.float32
+  np.testing.assert_allclose(out16.logits_BxTxV, out32.logits_BxTxV, atol=0.1)
+
+
+def test_kv_cache_trunk_matches_full_forward():
+  model = _model()
+  tokens = jax.random.randint(jax.random.key(5), (2, 10), 0, 64)
+  pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
+  caches = M.init_cache(CFG, 2, 16, CFG.num_layers)
+  h1, caches = model.trunk(tokens[:, :6], pos[:, :6], M.cache_mask(pos[:, :6], 16), caches)
+  h2, _ = model.trunk(tokens[:, 6:], pos[:, 6:], M.cache_mask(pos[:, 6:], 16), caches)
+  np.testing.assert_allclose(jnp.concatenate([h1, h2], 1), model(tokens).hidden_K1xBxTxD[0], atol=1e-5)
+
+
+def test_remat_gives_identical_outputs():
+  tokens = jax.random.randint(jax.random.key(6), (2, 8), 0, 64)
+  cfg_r = M.ModelConfig(**{**CFG.__dict__, 'remat': True})
+  np.testing.assert_array_equal(_model(cfg_r)(tokens).mtp_logits_KxBxTxV, _model()(tokens).mtp_logits_KxBxTxV)
+
+
+def test_invalid_config_raises():
+  with pytest.raises(ValueError, match='multiple of num_kv_heads'):
+    M.ModelConfig(num_heads=4, num_kv_heads=3)
