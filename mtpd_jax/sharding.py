@@ -45,8 +45,13 @@ def resolve_mesh_shape(shape, axes, num_devices: int) -> tuple[int, ...]:
 
 
 def make_mesh(shape, axes, devices=None) -> jax.sharding.Mesh:
-  """A mesh over `devices` (default: all devices of all processes), with Auto axis types."""
+  """A mesh over `devices` (default: all devices of all processes), with Auto axis types.
+
+  In a single process, a fixed shape smaller than the device count uses the first devices.
+  """
   axis_types = (AxisType.Auto,) * len(axes)
+  if devices is None and -1 not in tuple(shape) and jax.process_count() == 1:
+    devices = jax.devices()[:math.prod(shape)] if math.prod(shape) <= jax.device_count() else jax.devices()
   if devices is None:
     shape = resolve_mesh_shape(shape, axes, jax.device_count())
     return jax.make_mesh(shape, tuple(axes), axis_types=axis_types)
@@ -78,6 +83,24 @@ def param_shardings(abstract_params: nnx.State, mesh) -> nnx.State:
     axes = var.get_metadata().get('axes') or (None,) * var.ndim
     return var.replace(NamedSharding(mesh, logical_to_spec(axes, var.shape, mesh)))
   return jax.tree.map(one, abstract_params, is_leaf=_is_variable)
+
+
+def like_params_shardings(tree, abstract_params: nnx.State, param_sh: nnx.State, mesh):
+  """Shardings for a tree holding per-parameter copies (Adam moments): each leaf whose key path ends
+  with a parameter's path and has its shape gets that parameter's sharding; the rest are replicated.
+  """
+  by_path = {}
+  for (path, a), sh in zip(jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree.leaves(param_sh)):
+    by_path[path] = (a.shape, sh)
+  replicated = NamedSharding(mesh, P())
+
+  def one(path, leaf):
+    for start in range(len(path)):
+      shape, sh = by_path.get(path[start:], (None, None))
+      if sh is not None and shape == leaf.shape:
+        return sh
+    return replicated
+  return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def batch_spec(mesh) -> P:

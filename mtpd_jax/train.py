@@ -128,9 +128,7 @@ def abstract_train_state(config: ml_collections.ConfigDict, mesh) -> tuple[Train
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   replicated = NamedSharding(mesh, P())
   param_sh = sharding.param_shardings(abstract_params, mesh)
-  opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
-                                 transform_non_params=lambda _: replicated,
-                                 is_leaf=lambda x: isinstance(x, nnx.Variable))
+  opt_sh = sharding.like_params_shardings(abstract_opt, abstract_params, param_sh, mesh)
   shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, graphdef=graphdef, tx=tx)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,

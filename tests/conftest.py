@@ -20,6 +20,7 @@ def small_config(num_heads: int = 2, steps: int = 8):
   c.data.update(dict(seq_len=16, batch_size=8, synthetic_records=512))
   c.train.update(dict(steps=steps, lr=3e-3, log_every=2, eval_batches=1))
   c.ckpt.every_steps = 4
+  c.mesh.shape = (1, 1, 1)  # one device: fast; the mesh tests build their own meshes
   return c
 
 

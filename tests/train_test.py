@@ -1,0 +1,151 @@
+"""Training: sharded step equivalence, learning, freezing, checkpoint round trips and exact resume."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import small_config
+from mtpd_jax import checkpoint, sharding, train
+
+
+def _setup(config, mesh):
+  abstract, shardings = train.abstract_train_state(config, mesh)
+  state = train.init_train_state(config, abstract, shardings)
+  step_fn, eval_fn = train.make_steps(config, mesh, shardings)
+  return abstract, state, step_fn, eval_fn
+
+
+def _params(state):
+  return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(state.params)}
+
+
+def test_step_on_a_4x2_mesh_equals_the_single_device_step():
+  config = small_config()
+  # Adam's first steps are ±lr for any |g| >> eps, which turns 1e-9 reduction-order noise in
+  # near-zero gradients into lr-sized jumps; a larger eps keeps the update a smooth function of g.
+  config.train.eps = 1e-3
+  batch = next(train.make_data_iterator(config, 'train'))
+  results = []
+  for mesh in (sharding.make_mesh((4, 2), ('fsdp', 'model')),
+               sharding.make_mesh((1, 1), ('fsdp', 'model'), devices=jax.devices()[:1])):
+    with jax.set_mesh(mesh):
+      _, state, step_fn, _ = _setup(config, mesh)
+      if mesh.size == 8:  # the parameters really are split over the mesh
+        w = state.params['blocks'][0]['mlp']['w_gate'][...]
+        assert w.sharding.spec == jax.sharding.PartitionSpec('fsdp', 'model')
+      losses = []
+      for _ in range(3):
+        state, metrics = step_fn(state, sharding.put_batch(batch, mesh))
+        losses.append((float(metrics['loss']), float(metrics['grad_norm'])))
+      results.append((losses, _params(state)))
+  (loss_a, params_a), (loss_b, params_b) = results
+  np.testing.assert_allclose(loss_a, loss_b, atol=1e-5)
+  for name in params_a:
+    np.testing.assert_allclose(params_a[name], params_b[name], atol=1e-5, err_msg=name)
+
+
+def _read_metrics(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_loss_falls_and_metrics_jsonl_has_every_key(tmp_path):
+  config = small_config(num_heads=2, steps=40)
+  config.train.log_every = 10
+  train.train_and_evaluate(config, str(tmp_path), progress=False)
+  rows = [r for r in _read_metrics(str(tmp_path)) if 'train/loss' in r]
+  assert [r['step'] for r in rows] == [10, 20, 30, 40]
+  keys = {'step', 'train/loss', 'train/xent', 'train/grad_norm', 'train/lr', 'train/tokens_per_s'}
+  for k in (1, 2):
+    keys |= {f'train/mtp/k{k}/xent', f'train/distill/k{k}/kl', f'train/mtp/k{k}/agree'}
+  assert keys <= set(rows[0])
+  assert rows[-1]['train/loss'] < 0.85 * rows[0]['train/loss']
+  assert rows[-1]['train/mtp/k1/xent'] < rows[0]['train/mtp/k1/xent']
+  assert json.load(open(tmp_path / 'config.json'))['mtp']['num_heads'] == 2
+
+
+def test_save_restore_gives_identical_state_and_next_batch(tmp_path):
+  config = small_config()
+  mesh = sharding.make_mesh((4, 2), ('fsdp', 'model'))
+  with jax.set_mesh(mesh):
+    abstract, state, step_fn, _ = _setup(config, mesh)
+    it = train.make_data_iterator(config, 'train')
+    for _ in range(3):
+      state, _ = step_fn(state, sharding.put_batch(next(it), mesh))
+    ckpt = checkpoint.Checkpointer(str(tmp_path), every_steps=1, max_to_keep=2)
+    ckpt.save(3, state, it)
+    expected_batch = next(it)
+    fresh_it = train.make_data_iterator(config, 'train')
+    restored = ckpt.restore(ckpt.latest_step(), abstract, fresh_it)
+    ckpt.close()
+  assert int(restored.step) == 3
+  for (name, a), b in zip(_params(state).items(), _params(restored).values()):
+    np.testing.assert_array_equal(a, b, err_msg=name)
+  for a, b in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(restored.opt_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert restored.params['embed'][...].sharding == state.params['embed'][...].sharding
+  np.testing.assert_array_equal(next(fresh_it)['inputs'], expected_batch['inputs'])
+
+
+def test_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
+  config = small_config(steps=8)   # checkpoints at 4 and 8
+  full, resumed = str(tmp_path / 'full'), str(tmp_path / 'resumed')
+  train.train_and_evaluate(config, full, progress=False)
+  # A run killed after its step-4 checkpoint: the same workdir without the later checkpoint.
+  shutil.copytree(full, resumed)
+  shutil.rmtree(os.path.join(resumed, 'checkpoints', '8'))
+  train.train_and_evaluate(config, resumed, progress=False)
+  model_full, _ = train.restore_model(full)
+  model_resumed, _ = train.restore_model(resumed)
+  for a, b in zip(jax.tree.leaves(nnx.state(model_full, nnx.Param)),
+                  jax.tree.leaves(nnx.state(model_resumed, nnx.Param))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # metrics.jsonl holds each step once: the resumed run dropped its stale rows past step 4.
+  steps = [r['step'] for r in _read_metrics(resumed) if 'train/loss' in r]
+  assert steps == [2, 4, 6, 8]
+
+
+@pytest.mark.parametrize('trainable,moving', [('mtp_heads', {0, 1}), ([2], {1})])
+def test_frozen_parameters_do_not_move(trainable, moving):
+  config = small_config()
+  config.train.trainable = trainable
+  mesh = sharding.make_mesh((1, 1), ('fsdp', 'model'))
+  with jax.set_mesh(mesh):
+    _, state, step_fn, _ = _setup(config, mesh)
+    before = _params(state)
+    it = train.make_data_iterator(config, 'train')
+    for _ in range(2):
+      state, _ = step_fn(state, sharding.put_batch(next(it), mesh))
+  after = _params(state)
+  for name in before:
+    head = next((h for h in (0, 1) if f"['mtp_heads'][{h}]" in name), None)
+    changed = not np.array_equal(before[name], after[name])
+    assert changed == (head in moving), name
+  # Frozen parameters carry no Adam moments.
+  n_moments = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim > 0)
+  n_trainable = sum(v.size for k, v in after.items() if any(f"['mtp_heads'][{h}]" in k for h in moving))
+  assert n_moments == 2 * n_trainable
+
+
+def test_resolve_beta_defaults_and_schedules():
+  config = small_config(num_heads=1)
+  assert train.resolve_beta(config) == (1.0,)
+  config = small_config(num_heads=4)
+  assert train.resolve_beta(config) == (0.5,) * 4
+  config.distill.beta = 1.0
+  config.distill.beta_schedule = 'exp_decay'
+  config.distill.step_gamma = 0.5
+  assert train.resolve_beta(config) == (1.0, 0.5, 0.25, 0.125)
+  config.distill.beta_schedule = 'linear_increase'
+  assert train.resolve_beta(config) == (0.25, 0.5, 0.75, 1.0)
+  config.distill.beta = (0.1, 0.2, 0.3, 0.4)
+  assert train.resolve_beta(config) == (0.1, 0.2, 0.3, 0.4)
+  config.distill.beta = (0.1, 0.2)
+  with pytest.raises(ValueError, match='2 values for mtp.num_heads=4'):
+    train.resolve_beta(config)
