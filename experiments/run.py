@@ -26,7 +26,7 @@ def resolve_config_arg(value: str) -> str:
   if not name.endswith('.py') and os.sep not in name:
     name = os.path.join(CONFIG_DIR, name + '.py')
   if not os.path.isfile(name):
-    raise SystemExit(f'error: config file {name} does not exist')
+    raise FileNotFoundError(f'config file {name} does not exist')
   return name + sep + arg
 
 
@@ -49,6 +49,18 @@ def load_sweep(path: str) -> list[dict]:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_sweep() if hasattr(module, 'get_sweep') else [{}]
+
+
+def format_summary(metrics: dict[str, float], num_heads: int) -> str:
+  """Held-out metrics as a small table: one row for the main head, one per MTP head."""
+  lines = [f'held-out loss {metrics["eval/loss"]:.4f}',
+           f'{"head":>6} {"xent":>8} {"kl":>8} {"agree":>8}',
+           f'{"main":>6} {metrics["eval/xent"]:8.4f} {"":>8} {"":>8}']
+  for k in range(1, num_heads + 1):
+    kl = metrics.get(f'eval/distill/k{k}/kl')
+    lines.append(f'{"k" + str(k):>6} {metrics[f"eval/mtp/k{k}/xent"]:8.4f} '
+                 f'{"-" if kl is None else f"{kl:.4f}":>8} {100 * metrics[f"eval/mtp/k{k}/agree"]:7.2f}%')
+  return '\n'.join(lines)
 
 
 def maybe_initialize_distributed() -> None:
@@ -78,12 +90,12 @@ def main(argv):
       workdir = os.path.join(workdir, str(i))
     print(f'[{name}{"" if len(sweep) == 1 else f" {i}"}] workdir {workdir}', flush=True)
     _, final = train.train_and_evaluate(config, workdir)
-    print(' '.join(f'{k}={v:.4f}' for k, v in sorted(final.items())), flush=True)
+    print(format_summary(final, config.mtp.num_heads), flush=True)
 
 
 def run():
-  sys.argv = _rewrite_argv(sys.argv)
   try:
+    sys.argv = _rewrite_argv(sys.argv)
     app.run(main)
   except (ValueError, FileNotFoundError, TypeError, KeyError) as e:  # bad input: one line, exit 2
     print(f'error: {e}', file=sys.stderr)

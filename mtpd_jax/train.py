@@ -38,6 +38,35 @@ class TrainState(flax.struct.PyTreeNode):
 # Config -> library arguments
 
 
+def validate_config(config: ml_collections.ConfigDict) -> None:
+  """Raise ValueError naming the first bad field, before any work starts."""
+  m, d, k = config.model, config.distill, config.mtp.num_heads
+  choices = {'distill.kl': (d.kl, losses.KL_DIRECTIONS), 'distill.teacher': (d.teacher, losses.TEACHERS),
+             'distill.top_n_mode': (d.top_n_mode, losses.TOP_N_MODES),
+             'distill.beta_schedule': (d.beta_schedule, BETA_SCHEDULES),
+             'train.on_nan': (config.train.on_nan, ('stop', 'skip')),
+             'model.dtype': (m.dtype, ('float32', 'bfloat16'))}
+  for name, (value, allowed) in choices.items():
+    if value not in allowed:
+      raise ValueError(f'{name}={value!r} is not one of {allowed}')
+  if k < 0:
+    raise ValueError(f'mtp.num_heads={k} must be >= 0')
+  if d.top_n is not None and not (isinstance(d.top_n, int) and 1 <= d.top_n <= m.vocab_size):
+    raise ValueError(f'distill.top_n={d.top_n!r} must be None or an int in [1, vocab_size={m.vocab_size}]')
+  if d.tau <= 0:
+    raise ValueError(f'distill.tau={d.tau} must be > 0')
+  if any(b < 0 for b in resolve_beta(config)):
+    raise ValueError(f'distill.beta={d.beta!r} must be non-negative')
+  if config.data.seq_len > m.max_seq_len:
+    raise ValueError(f'data.seq_len={config.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}')
+  if config.train.steps < 1:
+    raise ValueError(f'train.steps={config.train.steps} must be >= 1')
+  trainable_labels({}, config.train.trainable)  # raises on a bad value
+  if isinstance(config.train.trainable, (list, tuple)) and not all(1 <= h <= k for h in config.train.trainable):
+    raise ValueError(f'train.trainable={config.train.trainable!r}: head indices must lie in 1..{k}')
+  model_config(config)  # ModelConfig checks its own shape constraints
+
+
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   return ModelConfig(**config.model.to_dict(), num_mtp_heads=config.mtp.num_heads)
 
@@ -253,6 +282,7 @@ def evaluate_loss(config, state, eval_fn, mesh) -> dict[str, float]:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True):
   """Train (resuming from the latest checkpoint in `workdir`), checkpoint, evaluate; returns final metrics."""
+  validate_config(config)
   os.makedirs(workdir, exist_ok=True)
   mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
   if config.data.batch_size % sharding.data_parallel_size(mesh):

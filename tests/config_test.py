@@ -1,0 +1,73 @@
+"""Every config file builds, every sweep key exists, bad values are refused with a clear message."""
+
+import glob
+import importlib.util
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from mtpd_jax import model, sharding, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(ROOT, 'configs', '**', '*.py'), recursive=True)
+                      if not os.path.basename(p).startswith('_'))
+
+
+def _load(path):
+  spec = importlib.util.spec_from_file_location('cfg_' + os.path.basename(path)[:-3], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.parametrize('path', CONFIG_FILES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_config_builds_and_every_sweep_point_applies(path):
+  module = _load(path)
+  if not hasattr(module, 'get_config'):
+    pytest.skip('not a config module')
+  points = module.get_sweep() if hasattr(module, 'get_sweep') else [{}]
+  assert points, 'get_sweep() returned no points'
+  for point in points:
+    config = module.get_config()
+    config.lock()
+    config.update_from_flattened_dict(point)  # raises on a key that does not exist
+    train.validate_config(config)
+    mesh = sharding.make_mesh((1, 1, 1), ('data', 'fsdp', 'model'))
+    abstract, _ = train.abstract_train_state(config, mesh)
+    n_params = sum(x.size for x in jax.tree.leaves(abstract.params))
+    assert n_params == model.param_count(train.model_config(config))
+
+
+@pytest.mark.parametrize('field,value,message', [
+    ('distill.kl', 'sideways', "distill.kl='sideways' is not one of"),
+    ('distill.top_n', 0, 'distill.top_n=0 must be None or an int'),
+    ('distill.top_n', 10 ** 6, 'must be None or an int in'),
+    ('mtp.num_heads', -1, 'mtp.num_heads=-1 must be >= 0'),
+    ('distill.beta', (0.1, 0.2), 'distill.beta has 2 values'),
+    ('distill.beta', -0.5, 'must be non-negative'),
+    ('distill.teacher', 'oracle', 'distill.teacher'),
+    ('train.trainable', [9], 'head indices must lie in'),
+    ('data.seq_len', 10 ** 5, 'exceeds model.max_seq_len'),
+])
+def test_bad_values_are_refused(field, value, message):
+  from conftest import small_config
+  config = small_config(num_heads=4)
+  config.update_from_flattened_dict({field: value})
+  with pytest.raises(ValueError, match=message.replace('(', r'\(').replace('[', r'\[')):
+    train.validate_config(config)
+
+
+def test_cli_refuses_bad_input_with_one_line_and_exit_2(tmp_path):
+  env = {**os.environ, 'JAX_NUM_CPU_DEVICES': '1'}
+  for args, message in (
+      (['--config=no_such_config'], 'config file'),
+      (['--config=tiny', '--config.distill.kl=sideways', f'--workdir={tmp_path}'], 'distill.kl'),
+  ):
+    proc = subprocess.run([sys.executable, '-m', 'experiments.run', *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
