@@ -1,4 +1,4 @@
-"""TrainState, the jitted train and eval steps, and the training loop (the only ConfigDict reader).
+"""TrainState, the jitted train and eval steps, and the training loop.
 
 The loop dispatches step t, then pulls step t-1's metrics to the host, so the host never waits on
 the device except at logging, checkpointing and evaluation points.
@@ -6,7 +6,6 @@ the device except at logging, checkpointing and evaluation points.
 
 import functools
 import json
-import math
 import os
 import time
 from typing import Any
@@ -15,15 +14,12 @@ import flax
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mtpd_jax import checkpoint, data, losses, sharding
-from mtpd_jax.model import ModelConfig, MTPTransformer
-
-BETA_SCHEDULES = ('constant', 'exp_decay', 'linear_decay', 'linear_increase')
+from mtpd_jax import checkpoint, losses, recipe, sharding
+from mtpd_jax.model import MTPTransformer
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -34,112 +30,13 @@ class TrainState(flax.struct.PyTreeNode):
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
 
 
-# ---------------------------------------------------------------------------------------------
-# Config -> library arguments
-
-
-def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raise ValueError naming the first bad field, before any work starts."""
-  m, d, k = config.model, config.distill, config.mtp.num_heads
-  choices = {'distill.kl': (d.kl, losses.KL_DIRECTIONS), 'distill.teacher': (d.teacher, losses.TEACHERS),
-             'distill.top_n_mode': (d.top_n_mode, losses.TOP_N_MODES),
-             'distill.beta_schedule': (d.beta_schedule, BETA_SCHEDULES),
-             'train.on_nan': (config.train.on_nan, ('stop', 'skip')),
-             'model.dtype': (m.dtype, ('float32', 'bfloat16'))}
-  for name, (value, allowed) in choices.items():
-    if value not in allowed:
-      raise ValueError(f'{name}={value!r} is not one of {allowed}')
-  if k < 0:
-    raise ValueError(f'mtp.num_heads={k} must be >= 0')
-  if d.top_n is not None and not (isinstance(d.top_n, int) and 1 <= d.top_n <= m.vocab_size):
-    raise ValueError(f'distill.top_n={d.top_n!r} must be None or an int in [1, vocab_size={m.vocab_size}]')
-  if d.tau <= 0:
-    raise ValueError(f'distill.tau={d.tau} must be > 0')
-  if any(b < 0 for b in resolve_beta(config)):
-    raise ValueError(f'distill.beta={d.beta!r} must be non-negative')
-  if config.data.seq_len > m.max_seq_len:
-    raise ValueError(f'data.seq_len={config.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}')
-  if config.train.steps < 1:
-    raise ValueError(f'train.steps={config.train.steps} must be >= 1')
-  trainable_labels({}, config.train.trainable)  # raises on a bad value
-  if isinstance(config.train.trainable, (list, tuple)) and not all(1 <= h <= k for h in config.train.trainable):
-    raise ValueError(f'train.trainable={config.train.trainable!r}: head indices must lie in 1..{k}')
-  model_config(config)  # ModelConfig checks its own shape constraints
-
-
-def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-  return ModelConfig(**config.model.to_dict(), num_mtp_heads=config.mtp.num_heads)
-
-
-def resolve_beta(config: ml_collections.ConfigDict) -> tuple[float, ...]:
-  """β_k per head: explicit per-head values, or a base β shaped by `beta_schedule` over depth k."""
-  d, num_heads = config.distill, config.mtp.num_heads
-  if isinstance(d.beta, (list, tuple)):
-    if len(d.beta) != num_heads:
-      raise ValueError(f'distill.beta has {len(d.beta)} values for mtp.num_heads={num_heads}')
-    return tuple(float(b) for b in d.beta)
-  base = (1.0 if num_heads == 1 else 0.5) if d.beta is None else float(d.beta)  # SPEC §2.5
-  weights = {'constant': lambda k: 1.0,
-             'exp_decay': lambda k: d.step_gamma ** (k - 1),
-             'linear_decay': lambda k: (num_heads - k + 1) / num_heads,
-             'linear_increase': lambda k: k / num_heads}
-  if d.beta_schedule not in weights:
-    raise ValueError(f'unknown distill.beta_schedule {d.beta_schedule!r}; expected one of {BETA_SCHEDULES}')
-  return tuple(base * weights[d.beta_schedule](k) for k in range(1, num_heads + 1))
-
-
-def loss_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  d = config.distill
-  return dict(ce_weight=config.mtp.ce_weight, beta=resolve_beta(config), distill=d.enabled,
-              top_n=d.top_n, top_n_mode=d.top_n_mode, renormalize=d.renormalize, kl=d.kl,
-              tau=d.tau, detach=d.detach, teacher=d.teacher)
-
-
-def trainable_labels(params: nnx.State, trainable) -> Any:
-  """'train' or 'frozen' for every parameter; `trainable` is 'all', 'mtp_heads' or 1-based head ids."""
-  if trainable == 'all':
-    return jax.tree.map(lambda _: 'train', params)
-  if trainable == 'mtp_heads':
-    heads = None
-  elif isinstance(trainable, (list, tuple)) and all(isinstance(k, int) for k in trainable):
-    heads = {k - 1 for k in trainable}
-  else:
-    raise ValueError(f"train.trainable={trainable!r}: expected 'all', 'mtp_heads' or a list of head indices")
-
-  def label(path, _):
-    keys = [getattr(p, 'key', None) for p in path]
-    is_head = keys[0] == 'mtp_heads' and (heads is None or keys[1] in heads)
-    return 'train' if is_head else 'frozen'
-  return jax.tree_util.tree_map_with_path(label, params)
-
-
-def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
-  t = config.train
-  warmup = max(1, int(t.warmup_frac * t.steps))
-  return optax.warmup_cosine_decay_schedule(0.0, t.lr, warmup, max(t.steps, warmup + 1),
-                                            end_value=t.lr * t.min_lr_frac)
-
-
-def make_optimizer(config: ml_collections.ConfigDict, labels) -> optax.GradientTransformation:
-  """AdamW per Table 4 with clipping; frozen parameters get no update and no optimizer moments."""
-  t = config.train
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norm scales
-  adamw = optax.chain(optax.clip_by_global_norm(t.clip_norm),
-                      optax.adamw(learning_rate(config), t.b1, t.b2, t.eps,
-                                  weight_decay=t.weight_decay, mask=decay_mask))
-  if all(label == 'train' for label in jax.tree.leaves(labels)):
-    return adamw
-  return optax.multi_transform({'train': adamw, 'frozen': optax.set_to_zero()}, labels)
-
-
-# ---------------------------------------------------------------------------------------------
 # State creation (abstract first, then a sharded jit init)
 
 
 def init_train_state(config: ml_collections.ConfigDict, abstract: TrainState,
                      shardings: TrainState) -> TrainState:
   """A freshly initialised TrainState, each array created directly in its sharding."""
-  mcfg = model_config(config)
+  mcfg = recipe.model_config(config)
 
   def init():
     _, params = nnx.split(MTPTransformer(mcfg, rngs=nnx.Rngs(config.seed)), nnx.Param)
@@ -151,9 +48,9 @@ def init_train_state(config: ml_collections.ConfigDict, abstract: TrainState,
 
 def abstract_train_state(config: ml_collections.ConfigDict, mesh) -> tuple[TrainState, TrainState]:
   """TrainState of ShapeDtypeStructs (carrying shardings) and the tree of NamedShardings."""
-  model = nnx.eval_shape(lambda: MTPTransformer(model_config(config), rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: MTPTransformer(recipe.model_config(config), rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(model, nnx.Param)
-  tx = make_optimizer(config, trainable_labels(abstract_params, config.train.trainable))
+  tx = recipe.make_optimizer(config, recipe.trainable_labels(abstract_params, config.train.trainable))
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   replicated = NamedSharding(mesh, P())
   param_sh = sharding.param_shardings(abstract_params, mesh)
@@ -208,40 +105,16 @@ def eval_step(state: TrainState, batch, *, loss_kw, isolate_trunk):
 
 def make_steps(config: ml_collections.ConfigDict, mesh, shardings: TrainState):
   """The one jitted train step (sharded, donating the state) and the jitted eval step."""
-  labels = trainable_labels(shardings.params, config.train.trainable)
-  kw = dict(loss_kw=loss_kwargs(config), isolate_trunk=config.mtp.isolate_trunk)
+  labels = recipe.trainable_labels(shardings.params, config.train.trainable)
+  kw = dict(loss_kw=recipe.loss_kwargs(config), isolate_trunk=config.mtp.isolate_trunk)
   batch_sh = NamedSharding(mesh, sharding.batch_spec(mesh))
-  step_fn = jax.jit(functools.partial(train_step, **kw, labels=labels, schedule=learning_rate(config),
+  step_fn = jax.jit(functools.partial(train_step, **kw, labels=labels, schedule=recipe.learning_rate(config),
                                       kl_warmup_steps=config.distill.warmup_steps,
                                       skip_nonfinite=config.train.on_nan == 'skip'),
                     in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
                     donate_argnums=0)
   eval_fn = jax.jit(functools.partial(eval_step, **kw), in_shardings=(shardings, batch_sh))
   return step_fn, eval_fn
-
-
-# ---------------------------------------------------------------------------------------------
-# Data
-
-
-def make_source(config: ml_collections.ConfigDict, split: str):
-  """The train or held-out record source named by `config.data`."""
-  d = config.data
-  if d.source == 'synthetic':  # held-out records come from another seed of the same process
-    return data.SyntheticSource(config.model.vocab_size, d.seq_len, d.synthetic_records,
-                                seed=d.seed + (0 if split == 'train' else 1_000_003))
-  if d.source == 'tokens':
-    cut = 1.0 - d.eval_fraction
-    return data.PackedTokens(d.train_path, d.seq_len, d.eos_id, config.model.vocab_size,
-                             split=(0.0, cut) if split == 'train' else (cut, 1.0))
-  raise ValueError(f"unknown data.source {d.source!r}; expected 'synthetic' or 'tokens'")
-
-
-def make_data_iterator(config: ml_collections.ConfigDict, split: str):
-  d = config.data
-  return data.make_iterator(make_source(config, split), global_batch=d.batch_size, seed=d.seed,
-                            shuffle=d.shuffle and split == 'train', process_index=jax.process_index(),
-                            process_count=jax.process_count())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,7 +145,7 @@ def _to_host(metrics) -> dict[str, float]:
 
 def evaluate_loss(config, state, eval_fn, mesh) -> dict[str, float]:
   """Mean metrics over `train.eval_batches` held-out batches (the same batches every time)."""
-  it = make_data_iterator(config, 'eval')
+  it = recipe.make_data_iterator(config, 'eval')
   sums: dict[str, float] = {}
   for _ in range(config.train.eval_batches):
     m = _to_host(eval_fn(state, sharding.put_batch(next(it), mesh)))
@@ -282,7 +155,7 @@ def evaluate_loss(config, state, eval_fn, mesh) -> dict[str, float]:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True):
   """Train (resuming from the latest checkpoint in `workdir`), checkpoint, evaluate; returns final metrics."""
-  validate_config(config)
+  recipe.validate_config(config)
   os.makedirs(workdir, exist_ok=True)
   mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
   if config.data.batch_size % sharding.data_parallel_size(mesh):
@@ -291,7 +164,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
   with jax.set_mesh(mesh):
     abstract, shardings = abstract_train_state(config, mesh)
     step_fn, eval_fn = make_steps(config, mesh, shardings)
-    train_it = make_data_iterator(config, 'train')
+    train_it = recipe.make_data_iterator(config, 'train')
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'),
                                    every_steps=config.ckpt.every_steps, max_to_keep=config.ckpt.max_to_keep)
     start = ckpt.latest_step()

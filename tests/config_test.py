@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-from mtpd_jax import model, sharding, train
+from mtpd_jax import model, recipe, sharding, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(ROOT, 'configs', '**', '*.py'), recursive=True)
@@ -34,11 +34,11 @@ def test_config_builds_and_every_sweep_point_applies(path):
     config = module.get_config()
     config.lock()
     config.update_from_flattened_dict(point)  # raises on a key that does not exist
-    train.validate_config(config)
+    recipe.validate_config(config)
     mesh = sharding.make_mesh((1, 1, 1), ('data', 'fsdp', 'model'))
     abstract, _ = train.abstract_train_state(config, mesh)
     n_params = sum(x.size for x in jax.tree.leaves(abstract.params))
-    assert n_params == model.param_count(train.model_config(config))
+    assert n_params == model.param_count(recipe.model_config(config))
 
 
 @pytest.mark.parametrize('field,value,message', [
@@ -57,7 +57,7 @@ def test_bad_values_are_refused(field, value, message):
   config = small_config(num_heads=4)
   config.update_from_flattened_dict({field: value})
   with pytest.raises(ValueError, match=message.replace('(', r'\(').replace('[', r'\[')):
-    train.validate_config(config)
+    recipe.validate_config(config)
 
 
 def test_cli_refuses_bad_input_with_one_line_and_exit_2(tmp_path):

@@ -5,13 +5,12 @@ import os
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from conftest import small_config
-from mtpd_jax import checkpoint, sharding, train
+from mtpd_jax import checkpoint, recipe, sharding, train
 
 
 def _setup(config, mesh):
@@ -30,7 +29,7 @@ def test_step_on_a_4x2_mesh_equals_the_single_device_step():
   # Adam's first steps are ±lr for any |g| >> eps, which turns 1e-9 reduction-order noise in
   # near-zero gradients into lr-sized jumps; a larger eps keeps the update a smooth function of g.
   config.train.eps = 1e-3
-  batch = next(train.make_data_iterator(config, 'train'))
+  batch = next(recipe.make_data_iterator(config, 'train'))
   results = []
   for mesh in (sharding.make_mesh((4, 2), ('fsdp', 'model')),
                sharding.make_mesh((1, 1), ('fsdp', 'model'), devices=jax.devices()[:1])):
@@ -75,13 +74,13 @@ def test_save_restore_gives_identical_state_and_next_batch(tmp_path):
   mesh = sharding.make_mesh((4, 2), ('fsdp', 'model'))
   with jax.set_mesh(mesh):
     abstract, state, step_fn, _ = _setup(config, mesh)
-    it = train.make_data_iterator(config, 'train')
+    it = recipe.make_data_iterator(config, 'train')
     for _ in range(3):
       state, _ = step_fn(state, sharding.put_batch(next(it), mesh))
     ckpt = checkpoint.Checkpointer(str(tmp_path), every_steps=1, max_to_keep=2)
     ckpt.save(3, state, it)
     expected_batch = next(it)
-    fresh_it = train.make_data_iterator(config, 'train')
+    fresh_it = recipe.make_data_iterator(config, 'train')
     restored = ckpt.restore(ckpt.latest_step(), abstract, fresh_it)
     ckpt.close()
   assert int(restored.step) == 3
@@ -119,7 +118,7 @@ def test_frozen_parameters_do_not_move(trainable, moving):
   with jax.set_mesh(mesh):
     _, state, step_fn, _ = _setup(config, mesh)
     before = _params(state)
-    it = train.make_data_iterator(config, 'train')
+    it = recipe.make_data_iterator(config, 'train')
     for _ in range(2):
       state, _ = step_fn(state, sharding.put_batch(next(it), mesh))
   after = _params(state)
@@ -135,17 +134,17 @@ def test_frozen_parameters_do_not_move(trainable, moving):
 
 def test_resolve_beta_defaults_and_schedules():
   config = small_config(num_heads=1)
-  assert train.resolve_beta(config) == (1.0,)
+  assert recipe.resolve_beta(config) == (1.0,)
   config = small_config(num_heads=4)
-  assert train.resolve_beta(config) == (0.5,) * 4
+  assert recipe.resolve_beta(config) == (0.5,) * 4
   config.distill.beta = 1.0
   config.distill.beta_schedule = 'exp_decay'
   config.distill.step_gamma = 0.5
-  assert train.resolve_beta(config) == (1.0, 0.5, 0.25, 0.125)
+  assert recipe.resolve_beta(config) == (1.0, 0.5, 0.25, 0.125)
   config.distill.beta_schedule = 'linear_increase'
-  assert train.resolve_beta(config) == (0.25, 0.5, 0.75, 1.0)
+  assert recipe.resolve_beta(config) == (0.25, 0.5, 0.75, 1.0)
   config.distill.beta = (0.1, 0.2, 0.3, 0.4)
-  assert train.resolve_beta(config) == (0.1, 0.2, 0.3, 0.4)
+  assert recipe.resolve_beta(config) == (0.1, 0.2, 0.3, 0.4)
   config.distill.beta = (0.1, 0.2)
   with pytest.raises(ValueError, match='2 values for mtp.num_heads=4'):
-    train.resolve_beta(config)
+    recipe.resolve_beta(config)
