@@ -71,10 +71,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.warmup_frac = 0.02      # linear warm-up, then cosine decay to min_lr_frac · lr ([I])
   c.train.min_lr_frac = 0.1
   c.train.trainable = config_dict.FieldReference('all', field_type=object)      # 'all' | 'mtp_heads' | a list of 1-based head indices, e.g. [2]
+  c.train.init_from = ''          # workdir whose latest parameters start a fresh run (continued training)
+  c.train.init_heads = 'fresh'    # heads init_from lacks: 'fresh' | 'loop' (copy of head ((j-1) mod m)+1)
   c.train.on_nan = 'stop'         # 'stop' | 'skip' (drop the update of a non-finite step)
   c.train.log_every = 10
   c.train.eval_every = 0          # 0 = evaluate only at the end
   c.train.eval_batches = 4
+
+  c.looped = ml_collections.ConfigDict()  # trained looped extension (SPEC §4.1)
+  c.looped.schedule = ()          # head counts per stage, e.g. (1, 2, 4, 8) or (1, 8); () = no loop
+  c.looped.stage_steps = 1000     # steps of each stage after the first; only the new heads train
 
   c.ckpt = ml_collections.ConfigDict()
   c.ckpt.every_steps = 500

@@ -6,6 +6,7 @@ NAME resolves to configs/NAME.py (a path works too); `NAME:arg` passes `arg` to 
 Rerunning the same command resumes from the latest checkpoint in the workdir.
 """
 
+import copy
 import importlib.util
 import os
 import sys
@@ -74,7 +75,7 @@ def maybe_initialize_distributed() -> None:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-  from mtpd_jax import train  # after flag parsing, so --help stays fast
+  from mtpd_jax import looped, train  # after flag parsing, so --help stays fast
   maybe_initialize_distributed()
   path = flags.FLAGS['config'].config_filename
   name = config_name(path)
@@ -83,14 +84,18 @@ def main(argv):
   for i in indices:
     if not 0 <= i < len(sweep):
       raise ValueError(f'--sweep_index={i} is outside the {len(sweep)} points of {name}')
-    config = _CONFIG.value.copy_and_resolve_references()
+    config = copy.deepcopy(_CONFIG.value)
     config.update_from_flattened_dict(sweep[i])
     workdir = _WORKDIR.value or os.path.join('runs', name)
     if len(sweep) > 1:
       workdir = os.path.join(workdir, str(i))
     print(f'[{name}{"" if len(sweep) == 1 else f" {i}"}] workdir {workdir}', flush=True)
-    _, final = train.train_and_evaluate(config, workdir)
-    print(format_summary(final, config.mtp.num_heads), flush=True)
+    if config.looped.schedule:
+      _, final = looped.run_looped(config, workdir)
+      print(format_summary(final, config.looped.schedule[-1]), flush=True)
+    else:
+      _, final = train.train_and_evaluate(config, workdir)
+      print(format_summary(final, config.mtp.num_heads), flush=True)
 
 
 def run():

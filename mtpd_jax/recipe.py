@@ -23,6 +23,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              'distill.top_n_mode': (d.top_n_mode, losses.TOP_N_MODES),
              'distill.beta_schedule': (d.beta_schedule, BETA_SCHEDULES),
              'train.on_nan': (config.train.on_nan, ('stop', 'skip')),
+             'train.init_heads': (config.train.init_heads, ('fresh', 'loop')),
              'model.dtype': (m.dtype, ('float32', 'bfloat16'))}
   for name, (value, allowed) in choices.items():
     if value not in allowed:
@@ -37,6 +38,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f'distill.beta={d.beta!r} must be non-negative')
   if config.data.seq_len > m.max_seq_len:
     raise ValueError(f'data.seq_len={config.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}')
+  schedule = tuple(config.looped.schedule)
+  if schedule and (schedule[0] < 1 or any(b <= a for a, b in zip(schedule, schedule[1:]))):
+    raise ValueError(f'looped.schedule={schedule} must be increasing head counts starting at >= 1')
   if config.train.steps < 1:
     raise ValueError(f'train.steps={config.train.steps} must be >= 1')
   trainable_labels({}, config.train.trainable)  # raises on a bad value

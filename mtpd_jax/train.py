@@ -46,6 +46,40 @@ def init_train_state(config: ml_collections.ConfigDict, abstract: TrainState,
   return abstract.replace(step=step, params=params, opt_state=opt_state)
 
 
+def transplant(params: nnx.State, source: nnx.State, *, loop_heads: bool) -> nnx.State:
+  """`params` with every parameter that `source` has at the same path taken from it.
+
+  MTP heads that `source` lacks keep their fresh initialisation, or with `loop_heads` become
+  copies of source head ((j-1) mod m)+1: the looped extension's block copy (SPEC §4.1).
+  """
+  src = dict(jax.tree_util.tree_leaves_with_path(source))
+  num_src_heads = len(source['mtp_heads']) if 'mtp_heads' in source else 0
+
+  def one(path, leaf):
+    keys = [getattr(p, 'key', None) for p in path]
+    if path not in src and keys[0] == 'mtp_heads' and loop_heads and num_src_heads:
+      path = (path[0], jax.tree_util.DictKey(keys[1] % num_src_heads)) + path[2:]
+    if path not in src:
+      if keys[0] != 'mtp_heads':
+        raise ValueError(f'init_from lacks parameter {jax.tree_util.keystr(path)}')
+      return leaf
+    if src[path].shape != leaf.shape:
+      raise ValueError(f'init_from parameter {jax.tree_util.keystr(path)} has shape {src[path].shape}, '
+                       f'this model {leaf.shape}')
+    return src[path]
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def warm_start(config: ml_collections.ConfigDict, state: TrainState, shardings: TrainState, mesh) -> TrainState:
+  """A fresh state whose parameters come from `train.init_from`, with fresh optimizer moments."""
+  source, _ = restore_model(config.train.init_from, mesh)
+  params = transplant(state.params, nnx.state(source, nnx.Param),
+                      loop_heads=config.train.init_heads == 'loop')
+  # A fresh buffer per parameter, in its sharding: looped heads must not alias one donated buffer.
+  params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings.params)(params)
+  return state.replace(params=params, opt_state=jax.jit(state.tx.init, out_shardings=shardings.opt_state)(params))
+
+
 def abstract_train_state(config: ml_collections.ConfigDict, mesh) -> tuple[TrainState, TrainState]:
   """TrainState of ShapeDtypeStructs (carrying shardings) and the tree of NamedShardings."""
   model = nnx.eval_shape(lambda: MTPTransformer(recipe.model_config(config), rngs=nnx.Rngs(0)))
@@ -170,6 +204,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
     start = ckpt.latest_step()
     if start is None:
       state, start = init_train_state(config, abstract, shardings), 0
+      if config.train.init_from:
+        state = warm_start(config, state, shardings, mesh)
     else:
       state = ckpt.restore(start, abstract, train_it)
     if jax.process_index() == 0:
@@ -223,15 +259,17 @@ def _progress(enabled: bool, start: int, total: int):
                    dynamic_ncols=True, desc='train')
 
 
-def restore_model(workdir: str) -> tuple[MTPTransformer, ml_collections.ConfigDict]:
-  """The trained model of a workdir (latest checkpoint, parameters replicated) and its config."""
+def restore_model(workdir: str, mesh=None) -> tuple[MTPTransformer, ml_collections.ConfigDict]:
+  """The trained model of a workdir (latest checkpoint) and its config.
+
+  Parameters are placed on `mesh` by the logical axis rules (default: replicated on all devices).
+  """
   path = os.path.join(workdir, 'config.json')
   if not os.path.exists(path):
     raise FileNotFoundError(f'{workdir} holds no config.json: not a training workdir')
   with open(path) as f:
     config = ml_collections.ConfigDict(json.load(f))
-  config.mesh.shape, config.mesh.axes = (-1,), ('data',)
-  mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
+  mesh = mesh or sharding.make_mesh((-1,), ('data',))
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=0, max_to_keep=1)
   step = ckpt.latest_step()
   if step is None:

@@ -1,0 +1,41 @@
+"""Trained looped extension (SPEC §4.1): grow the number of MTP heads in stages.
+
+Stage 0 trains main model and the first heads as usual. Each later stage freezes the main model
+and every existing head, initialises the new heads as copies of the trained ones (head j from
+head ((j-1) mod m)+1), and trains only the new heads with the configured loss. A schedule of
+(1, 8) is the one-shot block copy; (1, 2, 4, 8) is iterated doubling. Each stage has its own
+workdir, so rerunning resumes the interrupted stage and skips finished ones.
+"""
+
+import copy
+import os
+
+import ml_collections
+
+from mtpd_jax import train
+
+
+def stage_configs(config: ml_collections.ConfigDict, workdir: str) -> list[tuple[ml_collections.ConfigDict, str]]:
+  """(config, workdir) of every stage of `config.looped.schedule`."""
+  stages, prev_dir = [], None
+  schedule = tuple(config.looped.schedule)
+  for i, num_heads in enumerate(schedule):
+    c = copy.deepcopy(config)
+    c.mtp.num_heads = num_heads
+    stage_dir = os.path.join(workdir, f'heads_{num_heads}')
+    if i > 0:
+      c.train.steps = config.looped.stage_steps
+      c.train.trainable = list(range(schedule[i - 1] + 1, num_heads + 1))
+      c.train.init_from, c.train.init_heads = prev_dir, 'loop'
+    stages.append((c, stage_dir))
+    prev_dir = stage_dir
+  return stages
+
+
+def run_looped(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True):
+  """Train every stage in order; returns the last stage's (state, final metrics)."""
+  result = None
+  for stage_config, stage_dir in stage_configs(config, workdir):
+    print(f'[looped] {stage_config.mtp.num_heads} heads -> {stage_dir}', flush=True)
+    result = train.train_and_evaluate(stage_config, stage_dir, progress=progress)
+  return result
