@@ -1,0 +1,107 @@
+"""Two processes joined by jax.distributed (4 CPU devices each, gloo) train exactly like one with 8.
+
+Each run is a subprocess (tests/distributed_worker.py), so every one gets a fresh JAX with its own
+device count; the one-process reference and the two-process pair run side by side.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import portpicker
+import pytest
+from flax import nnx
+
+from mtpd_jax import checkpoint, train
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'distributed_worker.py')
+TIMEOUT_S = 240  # for all three processes together; ~20-30 s on 2 idle cores
+TOL = 1e-5
+
+
+def _start(tmp_path, name: str, *args: str):
+  """The worker as a subprocess, its stdout and stderr (gloo is chatty) going to `<name>.log`."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in ('JAX_NUM_CPU_DEVICES', 'JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID')}
+  env['JAX_PLATFORMS'] = 'cpu'
+  # Unoptimised CPU code compiles in about half the time; every run, single or paired, gets it.
+  env['XLA_FLAGS'] = f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+  log = tmp_path / f'{name}.log'
+  with open(log, 'w') as f:
+    proc = subprocess.Popen([sys.executable, WORKER, *args], stdout=f, stderr=subprocess.STDOUT, env=env)
+  return name, proc, log
+
+
+def _wait_all(procs) -> None:
+  """Wait for every worker; on the first failure or at the timeout, kill the rest and fail with the logs."""
+  deadline = time.monotonic() + TIMEOUT_S
+  try:
+    while not all(p.poll() == 0 for _, p, _ in procs):
+      failed = any(p.poll() not in (None, 0) for _, p, _ in procs)
+      if failed or time.monotonic() > deadline:
+        _kill(procs)
+        logs = '\n'.join(f'--- {name} (exit {p.returncode}) ---\n{log.read_text()[-4000:]}'
+                         for name, p, log in procs)
+        pytest.fail(f'{"a worker failed" if failed else f"workers still running after {TIMEOUT_S} s"}:\n{logs}')
+      time.sleep(0.2)
+  finally:  # also on KeyboardInterrupt: never leave a worker behind
+    _kill(procs)
+
+
+def _kill(procs) -> None:
+  for _, p, _ in procs:
+    if p.poll() is None:
+      p.kill()
+    p.wait()
+
+
+def _train_both_ways(tmp_path, mode: str):
+  """One process with 8 devices and two with 4 each run `mode`; their outputs and workdirs."""
+  single, multi = tmp_path / 'single', tmp_path / 'multi'
+  coordinator = f'127.0.0.1:{portpicker.pick_unused_port()}'
+  procs = [_start(tmp_path, 'single', f'--mode={mode}', f'--out={single}.npz', f'--workdir={single}',
+                  '--local_devices=8')]
+  for i in range(2):
+    procs.append(_start(tmp_path, f'process{i}', f'--mode={mode}', f'--out={multi}.npz', f'--workdir={multi}',
+                        '--local_devices=4', f'--coordinator={coordinator}', '--num_processes=2',
+                        f'--process_id={i}'))
+  _wait_all(procs)
+  out = [dict(np.load(f'{d}.npz')) for d in (single, multi)]
+  assert (out[0]['process_count'], out[0]['device_count'], out[0]['local_device_count']) == (1, 8, 8)
+  assert (out[1]['process_count'], out[1]['device_count'], out[1]['local_device_count']) == (2, 8, 4)
+  return out[0], out[1], multi
+
+
+def _assert_same_params(got: dict, want: dict) -> None:
+  names = sorted(k for k in want if k.startswith('param'))
+  assert names and names == sorted(k for k in got if k.startswith('param'))
+  for k in names:
+    np.testing.assert_allclose(got[k], want[k], rtol=0, atol=TOL, err_msg=k)
+
+
+@pytest.mark.slow
+def test_two_processes_take_the_same_train_steps_as_one(tmp_path):
+  single, multi, _ = _train_both_ways(tmp_path, 'steps')
+  assert len(single['losses']) == 4  # the worker's NUM_STEPS
+  np.testing.assert_allclose(multi['losses'], single['losses'], rtol=0, atol=TOL)
+  _assert_same_params(multi, single)
+
+
+@pytest.mark.slow
+def test_two_processes_train_and_checkpoint_like_one(tmp_path):
+  single, multi, workdir = _train_both_ways(tmp_path, 'train')
+  assert len(single['losses']) == 4  # every step is logged
+  np.testing.assert_allclose(multi['losses'], single['losses'], rtol=0, atol=TOL)
+  np.testing.assert_allclose(multi['eval_loss'], single['eval_loss'], rtol=0, atol=TOL)
+  _assert_same_params(multi, single)
+  # The checkpoint both processes wrote together restores, in this one process, to the same params.
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=0, max_to_keep=2)
+  assert ckpt.all_steps() == [2, 4]
+  ckpt.close()
+  model, _ = train.restore_model(str(workdir))
+  restored = {'param' + jax.tree_util.keystr(path): np.asarray(x)
+              for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+  _assert_same_params(restored, single)

@@ -1,0 +1,112 @@
+"""One process of a CPU training run on a (4, 2) mesh of 8 devices in all (for distributed_test.py).
+
+  python tests/distributed_worker.py --mode=steps|train --out=OUT.npz --workdir=DIR --local_devices=8
+  python tests/distributed_worker.py ... --local_devices=4 --coordinator=127.0.0.1:PORT --num_processes=2 --process_id=I
+
+`steps` runs NUM_STEPS train steps built from the library pieces; `train` runs `train_and_evaluate`
+with checkpoints in DIR. Process 0 writes the per-step losses, the final eval loss and the final
+parameters (gathered to the host, keyed `param<path>`) to OUT.npz.
+"""
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+NUM_STEPS = 4
+
+
+def parse_args(argv):
+  """The command line above; --coordinator makes this process one of --num_processes."""
+  p = argparse.ArgumentParser()
+  p.add_argument('--mode', choices=('steps', 'train'), required=True)
+  p.add_argument('--out', required=True)
+  p.add_argument('--workdir', help='checkpoints and metrics.jsonl (mode train)')
+  p.add_argument('--local_devices', type=int, required=True)
+  p.add_argument('--coordinator')
+  p.add_argument('--num_processes', type=int, default=1)
+  p.add_argument('--process_id', type=int, default=0)
+  return p.parse_args(argv)
+
+
+if __name__ == '__main__':
+  ARGS = parse_args(sys.argv[1:])
+  os.environ['JAX_NUM_CPU_DEVICES'] = str(ARGS.local_devices)  # before jax is imported
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from mtpd_jax import recipe, sharding, train
+from tests.conftest import small_config
+
+
+def worker_config():
+  """The tiny config on a (4, 2) fsdp x model mesh, logging every step, checkpointing mid-run."""
+  c = small_config(steps=NUM_STEPS)
+  c.mesh.shape, c.mesh.axes = (4, 2), ('fsdp', 'model')
+  # Adam's first steps are ±lr for any |g| >> eps, which turns reduction-order noise (gloo vs
+  # in-process all-reduce) in near-zero gradients into lr-sized jumps; see train_test.py.
+  c.train.eps = 1e-3
+  c.train.log_every = 1
+  c.ckpt.every_steps = 2
+  return c
+
+
+def host_params(params) -> dict[str, np.ndarray]:
+  """Every parameter as a whole numpy array (on every process), keyed `param<path>`."""
+  return {'param' + jax.tree_util.keystr(path): np.asarray(multihost_utils.process_allgather(x, tiled=True))
+          for path, x in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def run_steps(config) -> dict[str, np.ndarray]:
+  """NUM_STEPS train steps from the library pieces: per-step losses and final parameters."""
+  mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
+  with jax.set_mesh(mesh):
+    abstract, shardings = train.abstract_train_state(config, mesh)
+    state = train.init_train_state(config, abstract, shardings)
+    step_fn, _ = train.make_steps(config, mesh, shardings)
+    it = recipe.make_data_iterator(config, 'train')
+    losses = []
+    for _ in range(NUM_STEPS):
+      state, metrics = step_fn(state, sharding.put_batch(next(it), mesh))
+      losses.append(float(metrics['loss']))
+    return dict(losses=np.asarray(losses), **host_params(state.params))
+
+
+def run_train(config, workdir: str) -> dict[str, np.ndarray]:
+  """`train_and_evaluate` into `workdir`: logged per-step losses, final eval loss and parameters."""
+  state, final = train.train_and_evaluate(config, workdir, progress=False)
+  out = dict(eval_loss=np.asarray(final['eval/loss']), **host_params(state.params))
+  if jax.process_index() == 0:  # only process 0 writes metrics.jsonl
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      out['losses'] = np.asarray([r['train/loss'] for r in map(json.loads, f) if 'train/loss' in r])
+  return out
+
+
+def main(args):
+  """Join the pair when asked, run `--mode`, and (process 0) save the results."""
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # before any computation
+  if args.coordinator:
+    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               initialization_timeout=60)
+  config = worker_config()
+  out = run_steps(config) if args.mode == 'steps' else run_train(config, args.workdir)
+  if jax.process_index() == 0:
+    np.savez(args.out, process_count=jax.process_count(), device_count=jax.device_count(),
+             local_device_count=jax.local_device_count(), **out)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices('distributed_worker done')
+    jax.distributed.shutdown()
+
+
+if __name__ == '__main__':
+  try:
+    main(ARGS)
+  except BaseException:  # noqa: BLE001  (exit now: jax.distributed's exit-time shutdown waits for the peer)
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
