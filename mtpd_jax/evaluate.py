@@ -1,0 +1,263 @@
+"""Evaluate self-speculative decoding over prompt sets (AR/CAR, speedups, losslessness) and write reports.
+
+Timing: every batch shape is compiled before the clock starts; plain and speculative greedy
+decoding of the same prompts run one after the other in this process. The measured speedup is
+the ratio of their wall-clock tokens/s; the analytic one is tokens per main forward divided by
+the measured cost of one speculative step (draft + verify) relative to one plain decoding step.
+"""
+
+import functools
+import gzip
+import json
+import math
+import os
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mtpd_jax import decode, losses, metrics
+from mtpd_jax.model import MTPTransformer
+
+
+def load_prompts(path: str, field: str = 'prompt', tokenize: Callable[[str], list[int]] | None = None,
+                 chat_template: str | Callable[[str], str] | None = None, limit: int | None = None):
+  """Token-id prompts from JSONL (.gz ok): `field` holds text (templated, then tokenized) or token ids.
+
+  `chat_template` is a format string with a `{prompt}` slot, or a callable on the text.
+  """
+  prompts = []
+  with (gzip.open if path.endswith('.gz') else open)(path, 'rt', encoding='utf-8') as f:
+    for line_no, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      record = json.loads(line)
+      if field not in record:
+        raise KeyError(f'{path}:{line_no} has no field {field!r} (fields: {sorted(record)})')
+      value = record[field]
+      if isinstance(value, str):
+        if tokenize is None:
+          raise ValueError(f'{path}: field {field!r} holds text; pass tokenize= to turn it into ids')
+        if chat_template is not None:
+          value = chat_template(value) if callable(chat_template) else chat_template.format(prompt=value)
+        value = tokenize(value)
+      prompts.append(np.asarray(value, np.int32))
+      if limit is not None and len(prompts) >= limit:
+        break
+  return prompts
+
+
+def _batches(prompts, batch_size: int):
+  """Length-sorted batches of (indices, prompts); a short last batch repeats a prompt to keep the shape."""
+  order = np.argsort([len(p) for p in prompts], kind='stable')
+  for i in range(0, len(order), batch_size):
+    idx = order[i:i + batch_size]
+    yield idx, [prompts[k] for k in idx] + [prompts[idx[0]]] * (batch_size - len(idx))
+
+
+def _decode_batches(structure, leaves, prompts, batch_size, pad_multiple, kwargs):
+  """(Generation in prompt order, wall-clock seconds of each batch)."""
+  batches, outs, seconds = list(_batches(prompts, batch_size)), [], []
+  for _, batch in batches:
+    start = time.perf_counter()
+    outs.append(decode.generate_split(structure, leaves, batch, pad_multiple=pad_multiple, **kwargs))
+    seconds.append(time.perf_counter() - start)
+  tokens, accepts = [None] * len(prompts), [None] * len(prompts)
+  for (idx, _), out in zip(batches, outs):
+    for row, k in enumerate(idx):
+      tokens[k], accepts[k] = out.tokens[row], out.accept_lengths[row]
+  return decode.Generation(tokens, accepts), seconds
+
+
+def timed_decode(model: MTPTransformer, prompts, settings: dict[str, dict], *, batch_size: int = 8,
+                 pad_multiple: int = 64, repeats: int = 3) -> dict[str, tuple[decode.Generation, float]]:
+  """Decode all prompts under each named `generate` setting: outputs and wall-clock seconds.
+
+  The first pass compiles every batch shape and is not timed; later passes alternate between the
+  settings, so a change in machine load hits them alike. The time is the sum over batches of each
+  batch's best of `repeats`, which filters out interruptions by other processes.
+  """
+  structure, leaves = decode.split(model)
+  out, best = {}, {}
+  for r in range(max(repeats, 1) + 1):
+    for name, kwargs in settings.items():
+      out[name], seconds = _decode_batches(structure, leaves, prompts, batch_size, pad_multiple, kwargs)
+      if r:
+        best[name] = np.minimum(best.get(name, math.inf), seconds)
+  return {name: (out[name], float(np.sum(best[name]))) for name in settings}
+
+
+def step_seconds(model: MTPTransformer, prompts, settings: dict[str, decode.DecodeOptions], *,
+                 pad_multiple: int = 64, num_steps: int = 256, repeats: int = 5) -> dict[str, float]:
+  """Wall-clock seconds of one decoding step on this batch of prompts, per named setting.
+
+  Times jitted loops of 8 and 8 + num_steps steps (compiled first, best of `repeats`, settings
+  alternating) and divides the difference by num_steps, so dispatch and argument handling cancel.
+  """
+  structure, leaves = decode.split(model)
+  prompt_BxP, lens_B = decode.pad_prompts(prompts, pad_multiple)
+  states = {name: decode.jit_prefill(structure, leaves, prompt_BxP, lens_B, jax.random.key(0), opts)
+            for name, opts in settings.items()}
+  best = {}
+  for r in range(max(repeats, 1) + 1):
+    for name, opts in settings.items():
+      for n in (8, 8 + num_steps):
+        start = time.perf_counter()
+        jax.block_until_ready(decode.jit_steps(structure, leaves, states[name], opts, n))
+        if r:  # the first round compiles
+          best[name, n] = min(best.get((name, n), math.inf), time.perf_counter() - start)
+  return {name: max(best[name, 8 + num_steps] - best[name, 8], 1e-9) / num_steps for name in settings}
+
+
+def _teacher_forced(model: MTPTransformer, prompts, continuations, draft_depth: int) -> dict:
+  """Teacher-forced AR/CAR on prompt + continuation, over chains that lie inside the continuation."""
+  seqs = [np.concatenate([p, c]) for p, c in zip(prompts, continuations)]
+  tokens_BxT, _ = decode.pad_prompts(seqs, 64)
+  valid_BxT = np.zeros(tokens_BxT.shape, bool)
+  for b, (p, c) in enumerate(zip(prompts, continuations)):
+    valid_BxT[b, len(p) - 1:len(p) + len(c)] = True  # main logits there predict continuation tokens
+  logits_BxTxV, draft_logits_JxBxTxV = decode.looped_forward(model, tokens_BxT, draft_depth)
+  return metrics.teacher_forced_stats(logits_BxTxV, draft_logits_JxBxTxV, valid_BxT)
+
+
+def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max_new_tokens: int,
+                        batch_size: int = 8, stop_tokens=(), pad_multiple: int = 64,
+                        repeats: int = 3, timing_steps: int = 256) -> dict:
+  """Greedy speculative vs plain decoding of one prompt set: acceptance, speedups, losslessness."""
+  stop = tuple(int(t) for t in stop_tokens)
+  runs = timed_decode(model, prompts, {'plain': dict(max_new_tokens=max_new_tokens, stop_tokens=stop),
+                                       'spec': dict(max_new_tokens=max_new_tokens, stop_tokens=stop,
+                                                    draft_depth=draft_depth)},
+                      batch_size=batch_size, pad_multiple=pad_multiple, repeats=repeats)
+  (plain, plain_s), (spec, spec_s) = runs['plain'], runs['spec']
+  stats = metrics.acceptance_stats(np.concatenate(spec.accept_lengths), draft_depth)
+  plain_tokens, spec_tokens = sum(map(len, plain.tokens)), sum(map(len, spec.tokens))
+  costs = step_seconds(model, next(_batches(prompts, batch_size))[1],
+                       {'plain': decode.DecodeOptions(max_new_tokens, 0, stop_tokens=stop),
+                        'spec': decode.DecodeOptions(max_new_tokens, draft_depth, stop_tokens=stop)},
+                       pad_multiple=pad_multiple, num_steps=timing_steps)
+  plain_step, spec_step = costs['plain'], costs['spec']
+  tf = _teacher_forced(model, prompts, plain.tokens, draft_depth)
+  plain_tps, spec_tps = plain_tokens / plain_s, spec_tokens / spec_s
+  return {
+      **stats,
+      'draft_depth': draft_depth,
+      'lossless': all(np.array_equal(a, b) for a, b in zip(plain.tokens, spec.tokens)),
+      'prompts': len(prompts), 'new_tokens': spec_tokens,
+      'plain_tokens_per_s': plain_tps, 'spec_tokens_per_s': spec_tps,
+      'speedup_measured': spec_tps / plain_tps,
+      'plain_step_ms': 1e3 * plain_step, 'spec_step_ms': 1e3 * spec_step,
+      'verify_cost_ratio': spec_step / plain_step,
+      'speedup_analytic': stats['tokens_per_forward'] / (spec_step / plain_step),
+      'tf_ar': tf['ar'], 'tf_car': tf['car'],
+  }
+
+
+def evaluate_prompt_sets(model: MTPTransformer, prompt_sets: dict[str, list[np.ndarray]], **kwargs) -> dict:
+  """`evaluate_prompt_set` for each named set (keyword arguments as there)."""
+  return {name: evaluate_prompt_set(model, prompts, **kwargs) for name, prompts in prompt_sets.items()}
+
+
+@functools.partial(jax.jit, static_argnames=('structure',))
+def _heldout_sums(structure: decode.Structure, leaves, batch):
+  """Summed main-head cross-entropy, correct argmax predictions and counted targets of one batch."""
+  logits_BxTxV = structure.merge(leaves)(batch['inputs'], batch.get('segment_ids')).logits_BxTxV
+  if 'target_segment_ids' in batch:  # targets that start a new document are not predictable
+    mask_BxT = losses.target_mask(batch['segment_ids'], batch['target_segment_ids'], 0)
+  else:
+    mask_BxT = jnp.ones(batch['targets'].shape, bool)
+  mask_BxT = mask_BxT.astype(jnp.float32)
+  xent_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch['targets'])
+  correct_BxT = jnp.argmax(logits_BxTxV, axis=-1) == batch['targets']
+  return jnp.sum(xent_BxT * mask_BxT), jnp.sum(correct_BxT * mask_BxT), jnp.sum(mask_BxT)
+
+
+def heldout_metrics(model: MTPTransformer, batches) -> dict:
+  """Main head's next-token cross-entropy and argmax accuracy over held-out token batches.
+
+  A batch is a dict of BxT id arrays as mtpd_jax.data makes them: `inputs`, `targets` (the next
+  tokens) and optionally `segment_ids` with `target_segment_ids`, which leave out targets that
+  start a new document.
+  """
+  structure, leaves = decode.split(model)
+  totals = np.zeros(3)
+  for batch in batches:
+    keys = ('inputs', 'targets', 'segment_ids', 'target_segment_ids')
+    batch = {k: jnp.asarray(batch[k], jnp.int32) for k in keys if k in batch}
+    totals += np.array([float(x) for x in _heldout_sums(structure, leaves, batch)])
+  loss, correct, count = totals
+  return {'loss': loss / count, 'accuracy': correct / count, 'tokens': int(count)}
+
+
+def json_ready(x):
+  """nan -> None (strict JSON), numpy scalars -> Python."""
+  if isinstance(x, dict):
+    return {k: json_ready(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [json_ready(v) for v in x]
+  if isinstance(x, (float, np.floating)):
+    return None if math.isnan(x) else float(x)
+  return x.item() if isinstance(x, np.generic) else x
+
+
+def _pct(x: float) -> str:
+  return '–' if math.isnan(x) else f'{100 * x:.2f}'
+
+
+def markdown_table(results: dict) -> str:
+  """The paper's Table 1/7 layout: rows = heads (draft depths), columns = prompt sets, cells CAR / AR %."""
+  names = list(results)
+  depth = max(len(r['ar']) for r in results.values())
+  lines = ['| H | ' + ' | '.join(names) + ' |', '|---|' + '---|' * len(names)]
+  for k in range(depth):
+    cells = [f"{_pct(r['car'][k])} / {_pct(r['ar'][k])}" if k < len(r['ar']) else ''
+             for r in results.values()]
+    lines.append(f'| {k + 1} | ' + ' | '.join(cells) + ' |')
+  for label, key, fmt in (('accepted drafts / step', 'accept_len', '{:.3f}'),
+                          ('tokens / main forward', 'tokens_per_forward', '{:.3f}'),
+                          ('speedup, measured', 'speedup_measured', '{:.3f}x'),
+                          ('speedup, analytic', 'speedup_analytic', '{:.3f}x'),
+                          ('lossless (= plain greedy)', 'lossless', '{}')):
+    lines.append(f'| {label} | ' + ' | '.join(fmt.format(r[key]) for r in results.values()) + ' |')
+  return '\n'.join(lines) + '\n'
+
+
+def write_report(results: dict, workdir: str, heldout: dict | None = None) -> None:
+  """eval.json (everything), eval.md (Table 1/7 layout) and eval.png (AR and CAR vs head) in `workdir`.
+
+  With no prompt-set results (a model without heads) only the held-out line is written, no plot.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'eval.json'), 'w') as f:
+    json.dump(json_ready({'prompt_sets': results, 'heldout': heldout}), f, indent=2)
+  md = ['# Speculative decoding with the MTP heads', '']
+  if results:
+    md += ['Cells: CAR / AR (%) of draft depth H (head ((H-1) mod K)+1), greedy verification.', '',
+           markdown_table(results)]
+  if heldout:
+    md.append(f"Main head, held-out: loss {heldout['loss']:.4f}, next-token accuracy "
+              f"{100 * heldout['accuracy']:.2f}% over {heldout['tokens']} tokens.\n")
+  with open(os.path.join(workdir, 'eval.md'), 'w') as f:
+    f.write('\n'.join(md))
+  if results:
+    _plot(results, os.path.join(workdir, 'eval.png'))
+
+
+def _plot(results: dict, path: str) -> None:
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  depth = max(len(r['ar']) for r in results.values())
+  for ax, key, title in zip(axes, ('ar', 'car'), ('AR (conditional)', 'CAR (cumulative)')):
+    for name, r in results.items():
+      ax.plot(range(1, len(r[key]) + 1), [100 * x for x in r[key]], marker='o', label=name)
+    ax.set(title=title, xlabel='head (draft depth)', ylabel='%', ylim=(0, 100), xticks=range(1, depth + 1))
+    ax.grid(alpha=0.3)
+  axes[0].legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

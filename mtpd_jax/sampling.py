@@ -1,0 +1,74 @@
+"""Token choice from logits: the temperature/top-p transform, sampling, and speculative verification.
+
+Pure array functions shared by plain and speculative decoding, so both draw from exactly the same
+distribution. `temperature == 0` means greedy (argmax, first index on ties); it is a Python float,
+static under jit. Dimension letters as in model.py, plus J for the speculative draft depth; `_xV`
+means any leading dimensions.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def probs(logits_xV, temperature: float, top_p: float = 1.0):
+  """softmax(logits / temperature) restricted to the top-p nucleus and renormalised, in f32."""
+  p_xV = jax.nn.softmax(logits_xV.astype(jnp.float32) / temperature, axis=-1)
+  if top_p >= 1.0:
+    return p_xV
+  order_xV = jnp.argsort(-p_xV, axis=-1, stable=True)
+  sorted_xV = jnp.take_along_axis(p_xV, order_xV, axis=-1)
+  # Keep a token iff the mass strictly before it (in descending order) is < top_p: the smallest
+  # prefix whose mass reaches top_p, and always at least the most likely token.
+  keep_sorted_xV = jnp.cumsum(sorted_xV, axis=-1) - sorted_xV < top_p
+  keep_xV = jnp.take_along_axis(keep_sorted_xV, jnp.argsort(order_xV, axis=-1), axis=-1)
+  p_xV = jnp.where(keep_xV, p_xV, 0.0)
+  return p_xV / jnp.sum(p_xV, axis=-1, keepdims=True)
+
+
+def choose(key, logits_BxV, temperature: float, top_p: float = 1.0):
+  """One token per row: argmax when temperature == 0, else a sample from `probs`."""
+  if temperature == 0.0:
+    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+  return _categorical(key, probs(logits_BxV, temperature, top_p))
+
+
+def _categorical(key, p_BxV):
+  return jax.random.categorical(key, jnp.log(p_BxV), axis=-1).astype(jnp.int32)
+
+
+def accept_draft(u_BxJ, p_draft_BxJ, q_draft_BxJ):
+  """Speculative-sampling test: accept a draft with probability min(1, p/q) (u ~ U[0, 1))."""
+  return u_BxJ * q_draft_BxJ < p_draft_BxJ
+
+
+def verify(key, drafts_BxJ, draft_logits_BxJxV, logits_BxJ1xV, temperature: float, top_p: float = 1.0):
+  """Accepted-prefix length a_B and the token that follows the accepted drafts.
+
+  `logits_BxJ1xV[:, j]` is the main head after the pending token and drafts 1..j, so it is the
+  target distribution of draft j+1 (and, at j = J, of the bonus token). Greedy: draft j is
+  accepted iff it equals the main argmax, and the next token is the main argmax after the accepted
+  prefix. Sampling (Leviathan et al. 2023; Chen et al. 2023): draft j ~ q_j is accepted with
+  probability min(1, p_j/q_j); at the first rejection the next token is drawn from the
+  normalised residual max(0, p - q), and after J acceptances from p_{J+1}; the emitted tokens
+  then follow the main head's sampling distribution exactly.
+  """
+  b, j = drafts_BxJ.shape
+  if temperature == 0.0:
+    target_BxJ1 = jnp.argmax(logits_BxJ1xV, axis=-1).astype(jnp.int32)
+    ok_BxJ = drafts_BxJ == target_BxJ1[:, :j]
+    a_B = jnp.sum(jnp.cumprod(ok_BxJ, axis=1), axis=1).astype(jnp.int32)
+    return a_B, jnp.take_along_axis(target_BxJ1, a_B[:, None], axis=1)[:, 0]
+  key_u, key_next = jax.random.split(key)
+  p_BxJ1xV = probs(logits_BxJ1xV, temperature, top_p)
+  q_BxJxV = probs(draft_logits_BxJxV, temperature, top_p)
+  p_draft_BxJ = jnp.take_along_axis(p_BxJ1xV[:, :j], drafts_BxJ[..., None], axis=-1)[..., 0]
+  q_draft_BxJ = jnp.take_along_axis(q_BxJxV, drafts_BxJ[..., None], axis=-1)[..., 0]
+  ok_BxJ = accept_draft(jax.random.uniform(key_u, (b, j)), p_draft_BxJ, q_draft_BxJ)
+  a_B = jnp.sum(jnp.cumprod(ok_BxJ, axis=1), axis=1).astype(jnp.int32)
+  # q after the last draft is zero, so the "residual" after J acceptances is p_{J+1} itself.
+  q_BxJ1xV = jnp.concatenate([q_BxJxV, jnp.zeros_like(q_BxJxV[:, :1])], axis=1)
+  p_BxV = jnp.take_along_axis(p_BxJ1xV, a_B[:, None, None], axis=1)[:, 0]
+  q_BxV = jnp.take_along_axis(q_BxJ1xV, a_B[:, None, None], axis=1)[:, 0]
+  r_BxV = jnp.maximum(p_BxV - q_BxV, 0.0)
+  r_BxV = jnp.where(jnp.sum(r_BxV, axis=-1, keepdims=True) > 0, r_BxV, p_BxV)  # p == q: rounding only
+  return a_B, _categorical(key_next, r_BxV)

@@ -1,0 +1,185 @@
+"""Decoding: KV cache = recomputation, speculative greedy = plain greedy, lossless speculative sampling,
+online greedy acceptance = teacher-forced agreement chains."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+from flax import nnx
+
+from benchmarks import decode_speed
+from mtpd_jax import decode, metrics, sampling
+from mtpd_jax.model import ModelConfig, MTPTransformer
+
+CFG = ModelConfig(vocab_size=32, dim=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                  mlp_dim=64, num_mtp_heads=2, max_seq_len=128)
+MAX_NEW = 24
+STOP = (0, 31)  # the synthetic stream's EOS, and a token its progressions pass every few steps
+
+
+def _prompts():
+  """Ragged prompts: two openings of held-out synthetic documents and two random ones (the heads
+  accept less after those, so sequences of one batch accept different lengths)."""
+  rows = decode_speed.synthetic_tokens(CFG.vocab_size, 16, range(2), seed=7)
+  rng = np.random.default_rng(0)
+  return [rows[0, :3], rows[1, :9], rng.integers(1, 32, 14), rng.integers(1, 32, 6)]
+
+
+@pytest.fixture(scope='module')
+def trained():
+  return decode_speed.train_tiny(CFG, steps=200, batch_size=8, seq_len=32, lr=3e-3)
+
+
+@pytest.fixture(scope='module')
+def models(trained):
+  return {'random': MTPTransformer(CFG, rngs=nnx.Rngs(1)), 'trained': trained}
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+  logits = jnp.log(jnp.array([[0.15, 0.5, 0.05, 0.3]]))
+  np.testing.assert_allclose(sampling.probs(logits, 1.0, 0.8), [[0, 0.625, 0, 0.375]], atol=1e-6)
+  np.testing.assert_allclose(sampling.probs(logits, 1.0, 0.81), [[0.15 / 0.95, 0.5 / 0.95, 0, 0.3 / 0.95]],
+                             atol=1e-6)
+  np.testing.assert_allclose(sampling.probs(logits, 1.0, 0.01), [[0, 1, 0, 0]], atol=1e-6)
+
+
+@pytest.mark.parametrize('depth,stop', [(1, ()), (2, ()), (3, STOP)])  # depth below, equal to, above K=2
+def test_speculative_greedy_equals_plain_greedy(models, depth, stop):
+  prompts = _prompts()
+  for name, model in models.items():
+    plain = decode.generate(model, prompts, max_new_tokens=MAX_NEW, stop_tokens=stop)
+    spec = decode.generate(model, prompts, max_new_tokens=MAX_NEW, draft_depth=depth, stop_tokens=stop)
+    for b, (want, got, accepts) in enumerate(zip(plain.tokens, spec.tokens, spec.accept_lengths)):
+      np.testing.assert_array_equal(got, want, err_msg=f'{name} model, prompt {b}')
+      # Prefill emits one token, each step a+1, the last step possibly cut by a stop or max_new_tokens.
+      emitted = 1 + np.sum(accepts + 1)
+      assert emitted - accepts[-1] - 1 < len(got) <= emitted, (name, b)
+      if stop:
+        assert len(got) == MAX_NEW or got[-1] in stop
+        assert not np.isin(got[:-1], stop).any()
+    if name == 'trained':
+      assert np.mean(np.concatenate(spec.accept_lengths)) > 0.5  # the heads do accept
+      steps = min(map(len, spec.accept_lengths))
+      firsts = np.stack([a[:steps] for a in spec.accept_lengths])
+      if depth > 1:  # sequences accept different lengths in one step
+        assert np.any(firsts.min(0) != firsts.max(0))
+      if stop:
+        assert min(map(len, plain.tokens)) < MAX_NEW  # and some finish early
+
+
+@functools.partial(jax.jit, static_argnames=('structure', 'opts', 'num_steps'))
+def _decode_trace(structure, leaves, prompt_BxP, prompt_len_B, opts, num_steps):
+  """Prefill and `num_steps` steps; the buffers and logits after each of them, stacked."""
+  model = structure.merge(leaves)
+  st = decode.prefill(model, prompt_BxP, prompt_len_B, jax.random.key(0), opts)
+  def body(st, _):
+    return decode.step(model, st, opts), (st.tokens_BxS, st.length_B, st.logits_BxV, st.draft_logits_BxJxV)
+  st, trace = jax.lax.scan(body, st, length=num_steps)
+  return trace, st.accept_BxN
+
+
+@pytest.mark.parametrize('depth', [0, 3])
+def test_kv_cache_decoding_matches_full_recomputation(trained, depth):
+  """Main and draft logits of every step equal the teacher-forced looped forward (f32, 1e-4)."""
+  opts = decode.DecodeOptions(max_new_tokens=12, draft_depth=depth)
+  prompt_BxP, lens_B = decode.pad_prompts(_prompts(), 16)
+  trace, accepts_BxN = _decode_trace(*decode.split(trained), prompt_BxP, lens_B, opts, 5)
+  rows = np.arange(len(lens_B))
+  for tokens_BxS, length_B, logits_BxV, draft_logits_BxJxV in zip(*map(np.asarray, trace[:3]),
+                                                                  trace[3] if depth else [None] * 5):
+    # The buffer holds committed tokens, then the drafts: position length-2 is the last trunk position.
+    full_BxSxV, full_drafts_JxBxSxV = decode.looped_forward(trained, tokens_BxS, depth)
+    last_B = length_B - 2
+    np.testing.assert_allclose(logits_BxV, full_BxSxV[rows, last_B], atol=1e-4, rtol=1e-4)
+    if depth:
+      full_BxJxV = np.swapaxes(full_drafts_JxBxSxV[:, rows, last_B], 0, 1)
+      np.testing.assert_allclose(draft_logits_BxJxV, full_BxJxV, atol=1e-4, rtol=1e-4)
+  if depth:  # accepted and rolled-back drafts were both seen, and some sequence finished early
+    seen = set(np.asarray(accepts_BxN)[:, :5].ravel().tolist())
+    assert {-1, 0} <= seen and max(seen) > 0
+
+
+def test_online_greedy_acceptance_equals_teacher_forced_chains(trained):
+  """Each online step's accepted length = the teacher-forced chain at its last trunk position."""
+  depth, prompts = 3, _prompts()  # looped: depth 3 runs head 1 again
+  spec = decode.generate(trained, prompts, max_new_tokens=MAX_NEW, draft_depth=depth, stop_tokens=STOP)
+  greedy = decode.generate(trained, prompts, max_new_tokens=MAX_NEW)  # past the stop tokens
+  tokens_BxT, _ = decode.pad_prompts([np.concatenate([p, t]) for p, t in zip(prompts, greedy.tokens)], 16)
+  valid_BxT = np.arange(tokens_BxT.shape[1]) < np.array([len(p) + MAX_NEW for p in prompts])[:, None]
+  logits_BxTxV, draft_logits_JxBxTxV = decode.looped_forward(trained, tokens_BxT, depth)
+  chains_BxT = metrics.teacher_forced_accept_lengths(logits_BxTxV, draft_logits_JxBxTxV, valid_BxT)
+  online, offline = [], []
+  for b, (prompt, accepts) in enumerate(zip(prompts, spec.accept_lengths)):
+    starts = len(prompt) - 1 + np.concatenate([[0], np.cumsum(accepts[:-1] + 1)])
+    fits = chains_BxT[b, starts] >= 0  # the chain's tokens lie inside the greedy continuation
+    assert fits[:-1].all() or fits.sum() >= len(fits) - 2
+    online.extend(accepts[fits])
+    offline.extend(chains_BxT[b, starts[fits]])
+  np.testing.assert_array_equal(offline, online)
+  assert metrics.acceptance_stats(offline, depth) == metrics.acceptance_stats(online, depth)
+  assert len(online) > 20 and 0 < np.mean(online) < depth
+
+
+# Lossless speculative sampling: a tiny vocabulary, so the joint law of three tokens has 512 cells.
+CFG8 = ModelConfig(vocab_size=8, dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                   mlp_dim=32, num_mtp_heads=2)
+TEMPERATURE, TOP_P, SAMPLES = 1.0, 0.9, 16384
+BROKEN_RULES = {
+    'always_accept': lambda u, p, q: jnp.ones_like(u, bool),
+    'min_1_q_over_p': lambda u, p, q: u * p < q,
+}
+
+
+def _plain_sampling_law(model, prompt):
+  """P(t1, t2, t3) of plain sampling, enumerated: one forward over prompt + every (t1, t2)."""
+  v = CFG8.vocab_size
+  pairs = np.stack(np.meshgrid(np.arange(v), np.arange(v), indexing='ij'), -1).reshape(-1, 2)
+  logits = decode.looped_forward(model, np.concatenate([np.tile(prompt, (v * v, 1)), pairs], axis=1), 0)[0]
+  p = np.asarray(sampling.probs(logits[:, len(prompt) - 1:], TEMPERATURE, TOP_P), np.float64)
+  p1, p2, p3 = p[0, 0], p[::v, 1], p[:, 2].reshape(v, v, v)  # rows are t1 * v + t2
+  return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def _chi_square(model, prompt, law, **kwargs):
+  """(p-value of the samples under `law`, samples that `law` calls impossible)."""
+  out = decode.generate(model, [prompt] * SAMPLES, max_new_tokens=3, temperature=TEMPERATURE, top_p=TOP_P,
+                        **kwargs)
+  counts = np.bincount(np.ravel_multi_index(np.stack(out.tokens).T, law.shape), minlength=law.size)
+  expected = law.ravel() * SAMPLES
+  big = expected >= 5  # pool the sparse (and the impossible) cells into one
+  obs = np.append(counts[big], counts[~big].sum())
+  exp = np.append(expected[big], expected[~big].sum())
+  return scipy.stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue, counts[expected == 0].sum()
+
+
+@pytest.fixture(scope='module')
+def sampling_setup():
+  model = MTPTransformer(CFG8, rngs=nnx.Rngs(3))
+  prompt = np.array([1, 5, 2, 7], np.int32)
+  return model, prompt, _plain_sampling_law(model, prompt)
+
+
+def test_plain_sampling_matches_the_enumerated_law(sampling_setup):
+  model, prompt, law = sampling_setup
+  pvalue, impossible = _chi_square(model, prompt, law, seed=0)
+  assert pvalue > 1e-3 and impossible == 0
+
+
+@pytest.mark.parametrize('rule', [None, *BROKEN_RULES])
+def test_speculative_sampling_is_lossless_and_catches_wrong_rules(sampling_setup, rule, monkeypatch):
+  model, prompt, law = sampling_setup
+  if rule is not None:
+    monkeypatch.setattr(sampling, 'accept_draft', BROKEN_RULES[rule])
+  jax.clear_caches()  # the rule is traced into the compiled decoder
+  try:
+    pvalue, impossible = _chi_square(model, prompt, law, draft_depth=2, seed=1)
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+  if rule is None:
+    assert pvalue > 1e-3 and impossible == 0  # tokens outside the top-p nucleus never appear
+  else:
+    assert pvalue < 1e-6, f'the chi-square test misses the wrong acceptance rule {rule}'

@@ -1,0 +1,86 @@
+"""Evaluation: prompt loading, one prompt set end to end, held-out metrics, report files."""
+
+import gzip
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from mtpd_jax import evaluate, losses
+from mtpd_jax.model import ModelConfig, MTPTransformer
+
+CFG = ModelConfig(vocab_size=32, dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                  mlp_dim=64, num_mtp_heads=2)
+
+
+def _write_jsonl(path, records, compress=False):
+  with (gzip.open if compress else open)(path, 'wt') as f:
+    f.writelines(json.dumps(r) + '\n' for r in records)
+
+
+def test_load_prompts_reads_text_and_token_ids(tmp_path):
+  tokenize = lambda text: [ord(c) % 32 for c in text]
+  _write_jsonl(tmp_path / 'text.jsonl', [{'q': 'ab'}, {'q': 'cde'}, {'q': 'f'}])
+  got = evaluate.load_prompts(str(tmp_path / 'text.jsonl'), field='q', tokenize=tokenize,
+                              chat_template='<{prompt}>', limit=2)
+  assert [p.tolist() for p in got] == [tokenize('<ab>'), tokenize('<cde>')]
+  got = evaluate.load_prompts(str(tmp_path / 'text.jsonl'), field='q', tokenize=tokenize,
+                              chat_template=str.upper)
+  assert got[2].tolist() == tokenize('F') and got[2].dtype == np.int32
+  _write_jsonl(tmp_path / 'ids.jsonl.gz', [{'prompt': [3, 1, 4]}, {'prompt': [1, 5]}], compress=True)
+  assert [p.tolist() for p in evaluate.load_prompts(str(tmp_path / 'ids.jsonl.gz'))] == [[3, 1, 4], [1, 5]]
+  with pytest.raises(ValueError, match='tokenize'):
+    evaluate.load_prompts(str(tmp_path / 'text.jsonl'), field='q')
+  with pytest.raises(KeyError, match='prompt'):
+    evaluate.load_prompts(str(tmp_path / 'text.jsonl'))
+
+
+def test_evaluate_prompt_set_and_write_report(tmp_path):
+  model = MTPTransformer(CFG, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, 32, n) for n in (5, 11, 3)]  # two batches of 2, the last one padded
+  r = evaluate.evaluate_prompt_set(model, prompts, draft_depth=3, max_new_tokens=8, batch_size=2,
+                                   pad_multiple=16, repeats=1, timing_steps=4)
+  assert r['lossless'] and r['new_tokens'] == 3 * 8 and r['prompts'] == 3
+  assert len(r['ar']) == len(r['car']) == len(r['tf_ar']) == 3
+  ar = np.nan_to_num(r['ar'])  # a depth no step reached has AR nan and CAR 0
+  np.testing.assert_allclose(r['car'], np.cumprod(ar), atol=1e-12)
+  assert r['tokens_per_forward'] == pytest.approx(1 + r['accept_len'])
+  assert r['speedup_analytic'] == pytest.approx(r['tokens_per_forward'] / r['verify_cost_ratio'])
+  assert r['speedup_measured'] == pytest.approx(r['spec_tokens_per_s'] / r['plain_tokens_per_s'])
+
+  results = {'chat': r, 'code': {**r, 'ar': r['ar'][:2], 'car': r['car'][:2]}}
+  evaluate.write_report(results, str(tmp_path), heldout={'loss': 1.5, 'accuracy': 0.25, 'tokens': 10})
+  saved = json.loads((tmp_path / 'eval.json').read_text())
+  assert saved['prompt_sets']['chat']['new_tokens'] == 24 and saved['heldout']['accuracy'] == 0.25
+  md = (tmp_path / 'eval.md').read_text().splitlines()
+  assert '| H | chat | code |' in md
+  row2 = next(line for line in md if line.startswith('| 2 |'))
+  ar2 = '–' if np.isnan(r['ar'][1]) else f"{100 * r['ar'][1]:.2f}"  # depth 2 may never be reached
+  cell = f"{100 * r['car'][1]:.2f} / {ar2}"
+  assert row2 == f'| 2 | {cell} | {cell} |'
+  assert next(line for line in md if line.startswith('| 3 |')).endswith('|  |')  # 'code' has 2 heads only
+  assert (tmp_path / 'eval.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  heldout = {'loss': 1.5, 'accuracy': 0.25, 'tokens': 10}
+  evaluate.write_report({}, str(tmp_path / 'plain_lm'), heldout=heldout)  # a model without heads
+  assert 'accuracy 25.00%' in (tmp_path / 'plain_lm' / 'eval.md').read_text()
+
+
+def test_heldout_metrics_matches_a_direct_computation():
+  model = MTPTransformer(CFG, rngs=nnx.Rngs(1))
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(0, 32, (2, 9)).astype(np.int32)
+  seg = np.array([[1, 1, 1, 2, 2, 2, 2, 2, 2], [1] * 9], np.int32)
+  batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'segment_ids': seg[:, :-1],
+           'target_segment_ids': seg[:, 1:]}
+  got = evaluate.heldout_metrics(model, [batch, batch])
+  logits = jax.jit(lambda x, s: model(x, s).logits_BxTxV)(batch['inputs'], batch['segment_ids'])
+  mask = np.asarray(losses.target_mask(batch['segment_ids'], batch['target_segment_ids'], 0))
+  assert mask.sum() == 15  # the target that opens document 2 is left out
+  xent = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets']))
+  assert got['loss'] == pytest.approx(xent[mask].mean(), rel=1e-5)
+  assert got['accuracy'] == pytest.approx((np.argmax(logits, -1) == batch['targets'])[mask].mean())
+  assert got['tokens'] == 30
