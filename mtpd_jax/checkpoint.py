@@ -5,7 +5,10 @@ mid-save leaves the previous checkpoint intact; `max_to_keep` only prunes after 
 has been finalised.
 """
 
+import logging
 import os
+import shutil
+import time
 
 import grain
 import orbax.checkpoint as ocp
@@ -15,11 +18,13 @@ class Checkpointer:
   """Saves {state, data iterator} every `every_steps` (and on demand); restores the latest."""
 
   def __init__(self, directory: str, *, every_steps: int, max_to_keep: int):
-    self.every_steps = every_steps
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+    self.directory, self.every_steps, self.max_to_keep = os.path.abspath(directory), every_steps, max_to_keep
+    self.manager = self._open()
+
+  def _open(self) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=True,
                                            enable_async_checkpointing=False)
-    self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options,
-                                         item_names=('state', 'data'))
+    return ocp.CheckpointManager(self.directory, options=options, item_names=('state', 'data'))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -43,6 +48,36 @@ class Checkpointer:
     if iterator is not None:
       items['data'] = grain.checkpoint.CheckpointRestore(iterator)
     return self.manager.restore(step, args=ocp.args.Composite(**items))['state']
+
+  def restore_latest_good(self, abstract_state, iterator=None):
+    """(step, state) of the newest readable checkpoint, or (None, None) if there is none at all.
+
+    An unreadable checkpoint (truncated or corrupted files) is moved aside to
+    `<directory>.unreadable/` with a warning that names it and the one used instead; nothing is
+    deleted. If every checkpoint is unreadable, raises RuntimeError.
+    """
+    steps = sorted(self.all_steps(), reverse=True)
+    for i, step in enumerate(steps):
+      try:
+        return step, self.restore(step, abstract_state, iterator)
+      except Exception as e:  # orbax and tensorstore raise many types for damaged files
+        fallback = steps[i + 1] if i + 1 < len(steps) else None
+        aside = self._move_aside(step)
+        logging.warning('checkpoint %d is unreadable (%s: %s); moved to %s; %s', step, type(e).__name__,
+                        str(e).splitlines()[0][:200], aside,
+                        f'falling back to checkpoint {fallback}' if fallback is not None else 'no other left')
+    if steps:
+      raise RuntimeError(f'no readable checkpoint in {self.directory}: steps {steps} were all damaged '
+                         f'(moved to {self.directory}.unreadable/)')
+    return None, None
+
+  def _move_aside(self, step: int) -> str:
+    self.manager.close()
+    dest = os.path.join(f'{self.directory}.unreadable', f'{step}-{int(time.time())}')
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    shutil.move(os.path.join(self.directory, str(step)), dest)
+    self.manager = self._open()
+    return dest
 
   def close(self) -> None:
     self.manager.wait_until_finished()

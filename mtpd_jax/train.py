@@ -8,7 +8,6 @@ import functools
 import json
 import os
 import time
-from typing import Any
 
 import flax
 import jax
@@ -18,7 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mtpd_jax import checkpoint, losses, recipe, sharding
+from mtpd_jax import checkpoint, losses, recipe, runtime, sharding
 from mtpd_jax.model import MTPTransformer
 
 
@@ -155,24 +154,6 @@ def make_steps(config: ml_collections.ConfigDict, mesh, shardings: TrainState):
 # The loop
 
 
-class _MetricsLog:
-  """`metrics.jsonl` in the workdir (process 0 only), truncated to the resumed step on restart."""
-
-  def __init__(self, path: str, resume_step: int):
-    self.path = path
-    self.enabled = jax.process_index() == 0
-    if self.enabled and os.path.exists(path):
-      with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)['step'] <= resume_step]
-      with open(path, 'w') as f:
-        f.writelines(kept)
-
-  def write(self, record: dict[str, Any]) -> None:
-    if self.enabled:
-      with open(self.path, 'a') as f:
-        f.write(json.dumps(record) + '\n')
-
-
 def _to_host(metrics) -> dict[str, float]:
   return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
@@ -187,42 +168,63 @@ def evaluate_loss(config, state, eval_fn, mesh) -> dict[str, float]:
   return {f'eval/{k}': v / config.train.eval_batches for k, v in sums.items()}
 
 
+def _resume_or_init(config, workdir, ckpt, abstract, shardings, mesh, train_it):
+  """(state, step): the newest readable checkpoint of `workdir`, else a fresh (or warm) start."""
+  saved_path = os.path.join(workdir, 'config.json')
+  if ckpt.all_steps():
+    if config.train.resume == 'never':
+      raise ValueError(f'train.resume=never, but {workdir} already holds checkpoints; '
+                       'choose a fresh --workdir')
+    if os.path.exists(saved_path):
+      with open(saved_path) as f:
+        diffs = runtime.state_mismatch(json.load(f), json.loads(config.to_json()))
+      if diffs:
+        raise ValueError(f'{workdir} holds checkpoints of another model ({"; ".join(diffs)}); '
+                         'use another --workdir')
+    step, state = ckpt.restore_latest_good(abstract, train_it)
+    if step is not None:
+      return state, step
+  state = init_train_state(config, abstract, shardings)
+  if config.train.init_from:
+    state = warm_start(config, state, shardings, mesh)
+  return state, 0
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True):
-  """Train (resuming from the latest checkpoint in `workdir`), checkpoint, evaluate; returns final metrics."""
+  """Train (resuming from the newest checkpoint in `workdir`), checkpoint, evaluate.
+
+  Returns (state, held-out metrics). SIGTERM/SIGINT checkpoint after the current step and raise
+  runtime.Preempted; a non-finite step raises FloatingPointError (or is skipped: train.on_nan).
+  """
   recipe.validate_config(config)
   os.makedirs(workdir, exist_ok=True)
   mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
   if config.data.batch_size % sharding.data_parallel_size(mesh):
     raise ValueError(f'data.batch_size={config.data.batch_size} is not divisible by the '
                      f'{sharding.data_parallel_size(mesh)}-way data-parallel mesh axes')
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), runtime.PreemptionGuard() as guard:
     abstract, shardings = abstract_train_state(config, mesh)
     step_fn, eval_fn = make_steps(config, mesh, shardings)
     train_it = recipe.make_data_iterator(config, 'train')
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'),
                                    every_steps=config.ckpt.every_steps, max_to_keep=config.ckpt.max_to_keep)
-    start = ckpt.latest_step()
-    if start is None:
-      state, start = init_train_state(config, abstract, shardings), 0
-      if config.train.init_from:
-        state = warm_start(config, state, shardings, mesh)
-    else:
-      state = ckpt.restore(start, abstract, train_it)
+    state, start = _resume_or_init(config, workdir, ckpt, abstract, shardings, mesh, train_it)
     if jax.process_index() == 0:
-      with open(os.path.join(workdir, 'config.json'), 'w') as f:
-        f.write(config.to_json(indent=2))
-    log = _MetricsLog(os.path.join(workdir, 'metrics.jsonl'), start)
+      runtime.write_config_atomically(os.path.join(workdir, 'config.json'), config.to_json(indent=2))
+    log = runtime.MetricsLog(os.path.join(workdir, 'metrics.jsonl'), start)
     tokens_per_step = config.data.batch_size * config.data.seq_len
-    bar = _progress(progress, start, config.train.steps)
+    bar = runtime.progress_bar(progress, start, config.train.steps)
     pending, last_log = None, (start, time.perf_counter())
 
     def flush(step, metrics):  # host side of step `step` (1-based count of completed steps)
       nonlocal last_log
       m = _to_host(metrics)
       if not m.pop('finite'):
-        good = [s for s in ckpt.all_steps() if s < step]
-        raise FloatingPointError(f'non-finite loss or gradient at step {step}; last good checkpoint: '
-                                 f'{good[-1] if good else None} (set train.on_nan=skip to drop such steps)')
+        if config.train.on_nan != 'skip':
+          good = [s for s in ckpt.all_steps() if s < step]
+          raise FloatingPointError(f'non-finite loss or gradient at step {step}; last good checkpoint: '
+                                   f'{good[-1] if good else None} (train.on_nan=skip drops such steps)')
+        log.write({'step': step, 'train/skipped_nonfinite': 1})
       if step % config.train.log_every == 0 or step == config.train.steps:
         now = time.perf_counter()
         m['tokens_per_s'] = tokens_per_step * (step - last_log[0]) / max(now - last_log[1], 1e-9)
@@ -236,10 +238,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
       if pending is not None:
         flush(*pending)
       pending = (step, metrics)
-      if ckpt.should_save(step) and step != config.train.steps:
+      stop = guard.requested()
+      if (ckpt.should_save(step) or stop) and step != config.train.steps:
         flush(*pending)  # never checkpoint a state that a non-finite step produced
         pending = None
         ckpt.save(step, state, train_it)
+        if stop:
+          bar.close()
+          ckpt.close()
+          raise runtime.Preempted(step, guard.signum)
       if config.train.eval_every and step % config.train.eval_every == 0:
         log.write({'step': step, **evaluate_loss(config, state, eval_fn, mesh)})
     if pending is not None:
@@ -251,12 +258,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
     final = evaluate_loss(config, state, eval_fn, mesh)
     log.write({'step': config.train.steps, **final})
     return state, final
-
-
-def _progress(enabled: bool, start: int, total: int):
-  import tqdm  # the terminal bar only; metrics.jsonl is the record
-  return tqdm.tqdm(initial=start, total=total, disable=not enabled or jax.process_index() != 0,
-                   dynamic_ncols=True, desc='train')
 
 
 def restore_model(workdir: str, mesh=None) -> tuple[MTPTransformer, ml_collections.ConfigDict]:
