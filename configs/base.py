@@ -37,20 +37,24 @@ def get_config() -> ml_collections.ConfigDict:
   c.distill = ml_collections.ConfigDict()
   c.distill.enabled = True        # False = the plain "MTP" baseline (CE only)
   c.distill.detach = True         # stop-gradient on the teacher logits ("no detach" ablation: False)
-
-  c.distill.top_n = config_dict.FieldReference(667, field_type=object)  # N (int) or None = whole vocabulary; 667 ≈ 8.1% of V, the paper's 10,000 of 122,880
+  # N (an int) or None = the whole vocabulary; 667 ≈ 8.1% of V, as the paper's 10,000 of 122,880.
+  c.distill.top_n = config_dict.FieldReference(667, field_type=object)
   c.distill.top_n_mode = 'teacher'  # 'teacher' | 'union' (teacher ∪ student top-N: "10000x2")
   c.distill.renormalize = True    # softmax over the selected logits on both sides; False = partial KL
   c.distill.kl = 'forward'        # 'forward' = KL(teacher ‖ student) | 'reverse'
   c.distill.tau = 1.0             # softmax temperature of both distributions
-  c.distill.beta = config_dict.placeholder(object)  # β_k: None = paper default (1.0 for K=1, 0.5 for K>1), a float, or K floats
+  # β_k: None = the paper's default (1.0 for K=1, 0.5 for K>1), a float, or one float per head.
+  c.distill.beta = config_dict.placeholder(object)
   c.distill.beta_schedule = 'constant'  # 'constant' | 'exp_decay' | 'linear_decay' | 'linear_increase'
   c.distill.step_gamma = 0.6      # decay factor of 'exp_decay': β_k = β·γ^(k-1) ("step weights")
   c.distill.teacher = 'main'      # 'main' | 'ensemble_mean' (mean of every earlier predictor)
   c.distill.warmup_steps = 0      # linear ramp of β from 0 over these steps (0 = KL from step 0)
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = 'synthetic'     # 'synthetic' (learnable, in memory) | 'tokens' (a .npy token file)
+  c.data.source = 'synthetic'     # 'synthetic' (learnable, in memory) | 'embedded' | 'tokens'
+  c.data.cache_dir = ''           # embedded corpus + tokenizer cache; '' = $MTPD_JAX_CACHE or ~/.cache/mtpd_jax
+  c.data.embedded_chars = 12_000_000  # ShareGPT chat + Python stdlib text for 'embedded'
+  c.data.code_fraction = 0.25     # share of that text that is Python source
   c.data.train_path = ''          # 1-D .npy of token ids, documents joined by eos_id
   c.data.eos_id = 0
   c.data.eval_fraction = 0.01     # tail of the token file held out for evaluation
@@ -70,9 +74,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.clip_norm = 1.0
   c.train.warmup_frac = 0.02      # linear warm-up, then cosine decay to min_lr_frac · lr ([I])
   c.train.min_lr_frac = 0.1
-  c.train.trainable = config_dict.FieldReference('all', field_type=object)      # 'all' | 'mtp_heads' | a list of 1-based head indices, e.g. [2]
+  # 'all' | 'mtp_heads' | a list of 1-based head indices, e.g. [2, 3]
+  c.train.trainable = config_dict.FieldReference('all', field_type=object)
   c.train.init_from = ''          # workdir whose latest parameters start a fresh run (continued training)
   c.train.init_heads = 'fresh'    # heads init_from lacks: 'fresh' | 'loop' (copy of head ((j-1) mod m)+1)
+  c.train.resume = 'auto'         # 'auto': continue from the workdir's newest checkpoint | 'never'
   c.train.on_nan = 'stop'         # 'stop' | 'skip' (drop the update of a non-finite step)
   c.train.log_every = 10
   c.train.eval_every = 0          # 0 = evaluate only at the end
@@ -81,6 +87,21 @@ def get_config() -> ml_collections.ConfigDict:
   c.looped = ml_collections.ConfigDict()  # trained looped extension (SPEC §4.1)
   c.looped.schedule = ()          # head counts per stage, e.g. (1, 2, 4, 8) or (1, 8); () = no loop
   c.looped.stage_steps = 1000     # steps of each stage after the first; only the new heads train
+
+  c.base = ml_collections.ConfigDict()  # experiment protocol (SPEC §1.1: continued pre-training)
+  c.base.steps = 0                # >0: pretrain a plain LM (K=0) this long once per model and data
+                                  # config, cached under runs/_base/, and start every variant from it
+  c.seeds = 1                     # runs per sweep point; seed i shifts both init and data order
+
+  c.eval = ml_collections.ConfigDict()  # decoding evaluation after training (eval.json, eval.md)
+  c.eval.enabled = True
+  c.eval.prompt_sets = ('chat', 'code', 'math')  # embedded sets; the synthetic source has its own
+  c.eval.jsonl = ()               # extra sets as 'name=path' or 'name=path:field' (JSONL, text or ids)
+  c.eval.max_prompts = 16
+  c.eval.max_prompt_tokens = 96
+  c.eval.max_new_tokens = 64
+  c.eval.draft_depth = 0          # 0 = K; deeper reuses head ((j-1) mod K)+1 (training-free loop)
+  c.eval.batch_size = 8
 
   c.ckpt = ml_collections.ConfigDict()
   c.ckpt.every_steps = 500

@@ -22,4 +22,7 @@ def get_config():
   c.train.lr = 3e-3               # a tiny model on a simple source tolerates a larger step
   c.train.log_every = 10
   c.ckpt.every_steps = 100
+  c.eval.max_prompts = 8
+  c.eval.max_prompt_tokens = 16
+  c.eval.max_new_tokens = 48
   return c

@@ -52,18 +52,6 @@ def load_sweep(path: str) -> list[dict]:
   return module.get_sweep() if hasattr(module, 'get_sweep') else [{}]
 
 
-def format_summary(metrics: dict[str, float], num_heads: int) -> str:
-  """Held-out metrics as a small table: one row for the main head, one per MTP head."""
-  lines = [f'held-out loss {metrics["eval/loss"]:.4f}',
-           f'{"head":>6} {"xent":>8} {"kl":>8} {"agree":>8}',
-           f'{"main":>6} {metrics["eval/xent"]:8.4f} {"":>8} {"":>8}']
-  for k in range(1, num_heads + 1):
-    kl = metrics.get(f'eval/distill/k{k}/kl')
-    lines.append(f'{"k" + str(k):>6} {metrics[f"eval/mtp/k{k}/xent"]:8.4f} '
-                 f'{"-" if kl is None else f"{kl:.4f}":>8} {100 * metrics[f"eval/mtp/k{k}/agree"]:7.2f}%')
-  return '\n'.join(lines)
-
-
 def maybe_initialize_distributed() -> None:
   """Join a multi-process run when the environment describes one (JAX_COORDINATOR_ADDRESS etc.)."""
   import jax
@@ -75,33 +63,28 @@ def maybe_initialize_distributed() -> None:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-  from mtpd_jax import looped, train  # after flag parsing, so --help stays fast
+  from mtpd_jax import experiment  # after flag parsing, so --help stays fast
   maybe_initialize_distributed()
   path = flags.FLAGS['config'].config_filename
   name = config_name(path)
   sweep = load_sweep(path)
-  indices = range(len(sweep)) if _SWEEP_INDEX.value is None else [_SWEEP_INDEX.value]
-  for i in indices:
-    if not 0 <= i < len(sweep):
-      raise ValueError(f'--sweep_index={i} is outside the {len(sweep)} points of {name}')
-    config = copy.deepcopy(_CONFIG.value)
-    config.update_from_flattened_dict(sweep[i])
-    workdir = _WORKDIR.value or os.path.join('runs', name)
-    if len(sweep) > 1:
-      workdir = os.path.join(workdir, str(i))
-    print(f'[{name}{"" if len(sweep) == 1 else f" {i}"}] workdir {workdir}', flush=True)
-    if config.looped.schedule:
-      _, final = looped.run_looped(config, workdir)
-      print(format_summary(final, config.looped.schedule[-1]), flush=True)
-    else:
-      _, final = train.train_and_evaluate(config, workdir)
-      print(format_summary(final, config.mtp.num_heads), flush=True)
+  index = _SWEEP_INDEX.value
+  if index is not None and not 0 <= index < len(sweep):
+    raise ValueError(f'--sweep_index={index} is outside the {len(sweep)} points of {name}')
+  config = copy.deepcopy(_CONFIG.value)
+  workdir = _WORKDIR.value or os.path.join('runs', name)
+  report = experiment.run_sweep(config, sweep, workdir, indices=None if index is None else [index])
+  print(report, flush=True)
 
 
 def run():
+  from mtpd_jax.runtime import Preempted
   try:
     sys.argv = _rewrite_argv(sys.argv)
     app.run(main)
+  except Preempted as e:  # checkpointed on SIGTERM/SIGINT: the usual 128+signal exit status
+    print(e, file=sys.stderr)
+    sys.exit(128 + e.signum)
   except (ValueError, FileNotFoundError, TypeError, KeyError) as e:  # bad input: one line, exit 2
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)

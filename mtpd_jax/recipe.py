@@ -7,10 +7,11 @@ from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 import optax
 from flax import nnx
 
-from mtpd_jax import data, losses
+from mtpd_jax import data, evaluate, losses
 from mtpd_jax.model import ModelConfig
 
 BETA_SCHEDULES = ('constant', 'exp_decay', 'linear_decay', 'linear_increase')
@@ -24,6 +25,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              'distill.beta_schedule': (d.beta_schedule, BETA_SCHEDULES),
              'train.on_nan': (config.train.on_nan, ('stop', 'skip')),
              'train.init_heads': (config.train.init_heads, ('fresh', 'loop')),
+             'train.resume': (config.train.resume, ('auto', 'never')),
              'model.dtype': (m.dtype, ('float32', 'bfloat16'))}
   for name, (value, allowed) in choices.items():
     if value not in allowed:
@@ -114,17 +116,27 @@ def make_optimizer(config: ml_collections.ConfigDict, labels) -> optax.GradientT
   return optax.multi_transform({'train': adamw, 'frozen': optax.set_to_zero()}, labels)
 
 
+def embedded_data(config: ml_collections.ConfigDict):
+  """The embedded corpus and tokenizer (built once, then read from the cache)."""
+  from mtpd_jax import corpus
+  d = config.data
+  return corpus.prepare_embedded(d.cache_dir or None, vocab_size=config.model.vocab_size,
+                                 max_chars=d.embedded_chars, code_fraction=d.code_fraction)
+
+
 def make_source(config: ml_collections.ConfigDict, split: str):
   """The train or held-out record source named by `config.data`."""
   d = config.data
   if d.source == 'synthetic':  # held-out records come from another seed of the same process
     return data.SyntheticSource(config.model.vocab_size, d.seq_len, d.synthetic_records,
                                 seed=d.seed + (0 if split == 'train' else 1_000_003))
-  if d.source == 'tokens':
-    cut = 1.0 - d.eval_fraction
-    return data.PackedTokens(d.train_path, d.seq_len, d.eos_id, config.model.vocab_size,
-                             split=(0.0, cut) if split == 'train' else (cut, 1.0))
-  raise ValueError(f"unknown data.source {d.source!r}; expected 'synthetic' or 'tokens'")
+  if d.source not in ('tokens', 'embedded'):
+    raise ValueError(f"unknown data.source {d.source!r}; expected 'synthetic', 'tokens' or 'embedded'")
+  path, eos_id = (d.train_path, d.eos_id) if d.source == 'tokens' else (
+      lambda e: (e.train_tokens_path, e.eos_id))(embedded_data(config))
+  cut = 1.0 - d.eval_fraction
+  return data.PackedTokens(path, d.seq_len, eos_id, config.model.vocab_size,
+                           split=(0.0, cut) if split == 'train' else (cut, 1.0))
 
 
 def make_data_iterator(config: ml_collections.ConfigDict, split: str):
@@ -132,3 +144,31 @@ def make_data_iterator(config: ml_collections.ConfigDict, split: str):
   return data.make_iterator(make_source(config, split), global_batch=d.batch_size, seed=d.seed,
                             shuffle=d.shuffle and split == 'train', process_index=jax.process_index(),
                             process_count=jax.process_count())
+
+
+def prompt_sets(config: ml_collections.ConfigDict) -> dict[str, list[np.ndarray]]:
+  """Named prompt sets (token-id arrays) for the decoding evaluation.
+
+  `embedded`: the held-out `chat` (ShareGPT first turns, chat template), `code` (HumanEval) and
+  `math` (CHAMP) sets named in `eval.prompt_sets`. `synthetic`: starts of held-out records.
+  Extra sets come from `eval.jsonl` entries 'name=path' or 'name=path:field' (text needs the
+  embedded tokenizer; a field of token ids works with any source).
+  """
+  from mtpd_jax import prompts
+  e, source = config.eval, config.data.source
+  tok = embedded_data(config).tokenizer() if source == 'embedded' else None
+  sets = {}
+  if source == 'synthetic':
+    src = make_source(config, 'eval')
+    sets['synthetic'] = [src[i]['inputs'][:e.max_prompt_tokens] for i in range(min(e.max_prompts, len(src)))]
+  elif source == 'embedded':
+    for name in e.prompt_sets:
+      sets[name] = prompts.load_prompt_set(name, tokenizer=tok, max_prompts=e.max_prompts,
+                                           max_prompt_tokens=e.max_prompt_tokens, chat_template=name == 'chat')
+  for entry in e.jsonl:
+    name, _, spec = entry.partition('=')
+    path, _, field = spec.partition(':')
+    sets[name] = evaluate.load_prompts(path, field or 'prompt', tokenize=tok and tok.encode, limit=e.max_prompts)
+  if not sets:
+    raise ValueError(f'no prompt sets for data.source={source!r}; name JSONL files in eval.jsonl')
+  return sets

@@ -2,6 +2,8 @@
 
 import glob
 import importlib.util
+import inspect
+import itertools
 import os
 import subprocess
 import sys
@@ -9,7 +11,7 @@ import sys
 import jax
 import pytest
 
-from mtpd_jax import model, recipe, sharding, train
+from mtpd_jax import experiment, model, recipe, sharding, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(ROOT, 'configs', '**', '*.py'), recursive=True)
@@ -28,10 +30,12 @@ def test_config_builds_and_every_sweep_point_applies(path):
   module = _load(path)
   if not hasattr(module, 'get_config'):
     pytest.skip('not a config module')
-  points = module.get_sweep() if hasattr(module, 'get_sweep') else [{}]
+  points = experiment.sweep_points(module.get_sweep() if hasattr(module, 'get_sweep') else [{}])
   assert points, 'get_sweep() returned no points'
-  for point in points:
-    config = module.get_config()
+  assert len({label for label, _ in points}) == len(points), 'two points share a label'
+  args = [''] + (['quick'] if 'arg' in inspect.signature(module.get_config).parameters else [])
+  for (_, point), arg in itertools.product(points, args):
+    config = module.get_config(arg) if arg else module.get_config()
     config.lock()
     config.update_from_flattened_dict(point)  # raises on a key that does not exist
     recipe.validate_config(config)

@@ -1,0 +1,15 @@
+"""Tables 6 and 7 and Fig. 9 (K=4): the KL weight β_k, constant over heads (paper default 0.5)."""
+
+from configs import paper
+
+
+def get_config(arg: str = ''):
+  c = paper.get_config(arg)
+  c.mtp.num_heads = 4
+  return c
+
+
+def get_sweep():
+  return ([{'label': 'MTP', 'distill.enabled': False}]
+          + [{'label': f'beta = {b}' + (' (default)' if b == 0.5 else ''), 'distill.beta': b}
+             for b in (0.1, 0.3, 0.5, 1.0, 1.5)])

@@ -1,0 +1,17 @@
+"""Table 2 (K=1): the gradient-detached teacher against "no detach", with plain MTP for reference."""
+
+from configs import paper
+
+
+def get_config(arg: str = ''):
+  c = paper.get_config(arg)
+  c.mtp.num_heads = 1
+  return c
+
+
+def get_sweep():
+  return [
+      {'label': 'MTP', 'distill.enabled': False},
+      {'label': 'MTP-D (detach)', 'distill.detach': True},
+      {'label': 'no detach', 'distill.detach': False},
+  ]

@@ -1,0 +1,17 @@
+"""Table 6 (K=4): "ensemble mean", read as a teacher that averages every earlier predictor of the
+same token (the main head and heads 1..k-1), against the main head alone (SPEC §3, [I])."""
+
+from configs import paper
+
+
+def get_config(arg: str = ''):
+  c = paper.get_config(arg)
+  c.mtp.num_heads = 4
+  return c
+
+
+def get_sweep():
+  return [
+      {'label': 'main-head teacher (MTP-D)', 'distill.teacher': 'main'},
+      {'label': 'ensemble mean', 'distill.teacher': 'ensemble_mean'},
+  ]

@@ -1,0 +1,16 @@
+"""Table 2's caption and Fig. 9 (K=1): forward KL(teacher ‖ student) against reverse KL."""
+
+from configs import paper
+
+
+def get_config(arg: str = ''):
+  c = paper.get_config(arg)
+  c.mtp.num_heads = 1
+  return c
+
+
+def get_sweep():
+  return [
+      {'label': 'forward KL (default)', 'distill.kl': 'forward'},
+      {'label': 'reverse KL', 'distill.kl': 'reverse'},
+  ]
