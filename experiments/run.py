@@ -18,7 +18,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/NAME.py or NAME', lock_config=True)
 _SWEEP_INDEX = flags.DEFINE_integer('sweep_index', None, 'run only this point of get_sweep()')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'default: runs/NAME[/i]')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'default: runs/NAME[/i]; the report goes to results/NAME')
 
 
 def resolve_config_arg(value: str) -> str:
@@ -73,19 +73,30 @@ def main(argv):
     raise ValueError(f'--sweep_index={index} is outside the {len(sweep)} points of {name}')
   config = copy.deepcopy(_CONFIG.value)
   workdir = _WORKDIR.value or os.path.join('runs', name)
-  report = experiment.run_sweep(config, sweep, workdir, indices=None if index is None else [index])
+  results_dir = os.path.join('results', name)
+  report = experiment.run_sweep(config, sweep, workdir, results_dir, indices=None if index is None else [index])
   print(report, flush=True)
+  print(f'wrote {results_dir}/results.md, results.json, acceptance.png, loss_curves.png', flush=True)
+
+
+def _parse_flags(argv):
+  """absl's parsing, but a bad flag or config override is one line and exit 2, not a usage dump."""
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
+    print(f'error: {str(e).splitlines()[0]}', file=sys.stderr)
+    sys.exit(2)
 
 
 def run():
   from mtpd_jax.runtime import Preempted
   try:
     sys.argv = _rewrite_argv(sys.argv)
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)
   except Preempted as e:  # checkpointed on SIGTERM/SIGINT: the usual 128+signal exit status
     print(e, file=sys.stderr)
     sys.exit(128 + e.signum)
-  except (ValueError, FileNotFoundError, TypeError, KeyError) as e:  # bad input: one line, exit 2
+  except (ValueError, OSError, TypeError, KeyError) as e:  # bad input: one line, exit 2
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
 

@@ -175,6 +175,20 @@ def _heldout_sums(structure: decode.Structure, leaves, batch):
   return jnp.sum(xent_BxT * mask_BxT), jnp.sum(correct_BxT * mask_BxT), jnp.sum(mask_BxT)
 
 
+def prompt_batches(prompts, batch_size: int, pad_multiple: int = 32):
+  """Teacher-forced batches over prompt token arrays (next token of each prompt position), padded."""
+  for i in range(0, len(prompts), batch_size):
+    chunk = prompts[i:i + batch_size]
+    t = -(-max(len(p) - 1 for p in chunk) // pad_multiple) * pad_multiple
+    batch = {k: np.zeros((len(chunk), t), np.int32) for k in ('inputs', 'targets', 'segment_ids',
+                                                              'target_segment_ids')}
+    for b, p in enumerate(chunk):
+      n = len(p) - 1
+      batch['inputs'][b, :n], batch['targets'][b, :n] = p[:-1], p[1:]
+      batch['segment_ids'][b, :n] = batch['target_segment_ids'][b, :n] = 1
+    yield batch
+
+
 def heldout_metrics(model: MTPTransformer, batches) -> dict:
   """Main head's next-token cross-entropy and argmax accuracy over held-out token batches.
 

@@ -3,6 +3,8 @@
 With train.py, the only reader of the ConfigDict; everything below it takes plain values.
 """
 
+import math
+import os
 from typing import Any
 
 import jax
@@ -11,7 +13,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mtpd_jax import data, evaluate, losses
+from mtpd_jax import data, evaluate, losses, sharding
 from mtpd_jax.model import ModelConfig
 
 BETA_SCHEDULES = ('constant', 'exp_decay', 'linear_decay', 'linear_increase')
@@ -45,6 +47,23 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f'looped.schedule={schedule} must be increasing head counts starting at >= 1')
   if config.train.steps < 1:
     raise ValueError(f'train.steps={config.train.steps} must be >= 1')
+  if config.eval.draft_depth < 0:
+    raise ValueError(f'eval.draft_depth={config.eval.draft_depth} must be >= 1 (or 0 for K)')
+  if config.data.source not in ('synthetic', 'tokens', 'embedded'):
+    raise ValueError(f"data.source={config.data.source!r} is not one of ('synthetic', 'tokens', 'embedded')")
+  if config.data.source == 'tokens':
+    if not os.path.isfile(config.data.train_path):
+      raise FileNotFoundError(f'data.train_path={config.data.train_path!r} is not a file')
+    make_source(config, 'train')  # reads the header and checks every id against the vocabulary
+  for entry in config.eval.jsonl:
+    path = entry.partition('=')[2].partition(':')[0]
+    if '=' not in entry or not os.path.isfile(path):
+      raise FileNotFoundError(f"eval.jsonl entry {entry!r}: expected 'name=path[:field]' naming an existing file")
+  mesh_shape = sharding.resolve_mesh_shape(config.mesh.shape, config.mesh.axes, jax.device_count())
+  data_parallel = math.prod(n for n, ax in zip(mesh_shape, config.mesh.axes) if ax in sharding.AXIS_RULES['batch'])
+  if config.data.batch_size % data_parallel:
+    raise ValueError(f'data.batch_size={config.data.batch_size} is not divisible by the {data_parallel}-way '
+                     'data-parallel mesh axes')
   trainable_labels({}, config.train.trainable)  # raises on a bad value
   if isinstance(config.train.trainable, (list, tuple)) and not all(1 <= h <= k for h in config.train.trainable):
     raise ValueError(f'train.trainable={config.train.trainable!r}: head indices must lie in 1..{k}')

@@ -168,19 +168,25 @@ def evaluate_loss(config, state, eval_fn, mesh) -> dict[str, float]:
   return {f'eval/{k}': v / config.train.eval_batches for k, v in sums.items()}
 
 
+def check_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Refuse a workdir whose checkpoints this config must not touch (another model, or resume=never)."""
+  ckpt_dir = os.path.join(workdir, 'checkpoints')
+  if not (os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))):
+    return
+  if config.train.resume == 'never':
+    raise ValueError(f'train.resume=never, but {workdir} already holds checkpoints; choose a fresh --workdir')
+  saved_path = os.path.join(workdir, 'config.json')
+  if os.path.exists(saved_path):
+    with open(saved_path) as f:
+      diffs = runtime.state_mismatch(json.load(f), json.loads(config.to_json()))
+    if diffs:
+      raise ValueError(f'{workdir} holds checkpoints of another model ({"; ".join(diffs)}); use another --workdir')
+
+
 def _resume_or_init(config, workdir, ckpt, abstract, shardings, mesh, train_it):
   """(state, step): the newest readable checkpoint of `workdir`, else a fresh (or warm) start."""
-  saved_path = os.path.join(workdir, 'config.json')
+  check_workdir(config, workdir)
   if ckpt.all_steps():
-    if config.train.resume == 'never':
-      raise ValueError(f'train.resume=never, but {workdir} already holds checkpoints; '
-                       'choose a fresh --workdir')
-    if os.path.exists(saved_path):
-      with open(saved_path) as f:
-        diffs = runtime.state_mismatch(json.load(f), json.loads(config.to_json()))
-      if diffs:
-        raise ValueError(f'{workdir} holds checkpoints of another model ({"; ".join(diffs)}); '
-                         'use another --workdir')
     step, state = ckpt.restore_latest_good(abstract, train_it)
     if step is not None:
       return state, step

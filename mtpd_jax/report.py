@@ -1,0 +1,148 @@
+"""Sweep reports in the paper's layout: results.md, results.json and plots, from the runs' summaries.
+
+A row is one sweep point; with several seeds each cell is mean ± std over them. Columns follow
+the paper's Table 2: per prompt set the main-head metric (teacher-forced next-token accuracy on
+the set's prompts) and head 1's acceptance rate under greedy speculative decoding, then means.
+"""
+
+import json
+import os
+
+import numpy as np
+
+
+def _mean_pm(values, scale: float = 1.0, digits: int = 2) -> str:
+  values = [scale * v for v in values if v is not None and np.isfinite(v)]
+  if not values:
+    return '–'
+  if len(values) == 1:
+    return f'{values[0]:.{digits}f}'
+  return f'{np.mean(values):.{digits}f} ± {np.std(values, ddof=1):.{digits}f}'
+
+
+def _evals(runs):
+  return [r['eval'] for r in runs if r.get('eval')]
+
+
+def _set_mean(ev, fn):
+  vals = [v for v in map(fn, ev['prompt_sets'].values()) if v is not None]
+  return float(np.mean(vals)) if vals else None
+
+
+def _at(seq, k):
+  return seq[k] if k < len(seq) else None
+
+
+def results_table(rows) -> str:
+  """Rows = variants; per prompt set 'main acc | AR1' (%), then the means, tokens/forward and speed."""
+  sets = sorted({n for _, runs in rows for ev in _evals(runs) for n in ev['prompt_sets']})
+  base_label, base_runs = rows[0]
+  base_speed = [_set_mean(ev, lambda p: p['spec_tokens_per_s']) for ev in _evals(base_runs)]
+  head = (['variant'] + [f'{n}: main acc \\| AR1' for n in sets]
+          + ['mean: main acc \\| AR1', 'held-out acc', 'tokens/fwd', 'speedup vs plain',
+             f'speed vs "{base_label}"'])
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for label, runs in rows:
+    evs = _evals(runs)
+    cells = [label]
+    for n in sets:
+      acc = [ev['prompt_sets'][n].get('main_accuracy') for ev in evs if n in ev['prompt_sets']]
+      ar1 = [_at(ev['prompt_sets'][n]['ar'], 0) for ev in evs if n in ev['prompt_sets']]
+      cells.append(f'{_mean_pm(acc, 100)} \\| {_mean_pm(ar1, 100)}')
+    cells.append(f"{_mean_pm([_set_mean(ev, lambda p: p.get('main_accuracy')) for ev in evs], 100)} \\| "
+                 f"{_mean_pm([_set_mean(ev, lambda p: _at(p['ar'], 0)) for ev in evs], 100)}")
+    cells.append(_mean_pm([ev['heldout']['accuracy'] for ev in evs], 100))
+    cells.append(_mean_pm([_set_mean(ev, lambda p: p['tokens_per_forward']) for ev in evs]))
+    cells.append(_mean_pm([_set_mean(ev, lambda p: p['speedup_measured']) for ev in evs], digits=3) + '×')
+    speed = [_set_mean(ev, lambda p: p['spec_tokens_per_s']) for ev in evs]
+    ref = np.mean(base_speed) if base_speed else np.nan
+    cells.append(_mean_pm([s / ref for s in speed], digits=3) + '×')
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
+def depth_of(rows) -> int:
+  return max((len(p['ar']) for _, runs in rows for ev in _evals(runs) for p in ev['prompt_sets'].values()),
+             default=0)
+
+
+def per_head_table(rows) -> str:
+  """Rows = variants, columns = draft depths, cells 'CAR / AR' (%) averaged over prompt sets."""
+  depth = depth_of(rows)
+  lines = ['| variant | ' + ' | '.join(f'head {k + 1}' for k in range(depth)) + ' |', '|---|' + '---|' * depth]
+  for label, runs in rows:
+    evs = _evals(runs)
+    cells = [f"{_mean_pm([_set_mean(ev, lambda p: _at(p['car'], k)) for ev in evs], 100)} / "
+             f"{_mean_pm([_set_mean(ev, lambda p: _at(p['ar'], k)) for ev in evs], 100)}" for k in range(depth)]
+    lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
+def _plt():
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def plot_acceptance(rows, path: str) -> None:
+  """AR and CAR against draft depth, one line per variant (Figs. 3 and 5)."""
+  depth = depth_of(rows)
+  plt = _plt()
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for ax, key, title in zip(axes, ('ar', 'car'), ('AR (conditional) %', 'CAR (cumulative) %')):
+    for label, runs in rows:
+      curve = [np.mean([v for ev in _evals(runs) if (v := _set_mean(ev, lambda p: _at(p[key], k))) is not None]
+                       or [np.nan]) * 100 for k in range(depth)]
+      ax.plot(range(1, depth + 1), curve, marker='o', label=label)
+    ax.set(title=title, xlabel='draft depth (head)', ylim=(0, 100))
+    ax.grid(alpha=0.3)
+  axes[1].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_loss_curves(rows, run_dirs, path: str) -> None:
+  """Training loss of the main head and of every MTP head against step, one panel per variant (Fig. 7)."""
+  plt = _plt()
+  fig, axes = plt.subplots(1, len(rows), figsize=(3.6 * len(rows), 3.2), squeeze=False, sharey=True)
+  for ax, (label, _), dirs in zip(axes[0], rows, run_dirs):
+    metrics_path = os.path.join(dirs[0], 'metrics.jsonl') if dirs else ''
+    if os.path.exists(metrics_path):
+      with open(metrics_path) as f:
+        logged = [r for r in map(json.loads, f) if 'train/xent' in r]
+      keys = ['train/xent'] + sorted(k for k in (logged[0] if logged else {}) if k.endswith('/xent') and '/mtp/' in k)
+      for key in keys:
+        ax.plot([r['step'] for r in logged], [r[key] for r in logged],
+                label='main' if key == 'train/xent' else key.split('/')[2])
+    ax.set(title=label, xlabel='step')
+    ax.title.set_fontsize(8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+  axes[0][0].set_ylabel('cross-entropy')
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def write(rows, run_dirs, out_dir: str, *, title: str, num_seeds: int) -> str:
+  """results.md, results.json, acceptance.png and loss_curves.png in `out_dir`; returns the markdown."""
+  os.makedirs(out_dir, exist_ok=True)
+  md = '\n'.join([
+      f'# {title}', '',
+      f'{num_seeds} seed(s) per row (mean ± std). Main acc: the main head\'s teacher-forced next-token '
+      'accuracy on each prompt set; held-out acc: on held-out training text. AR1: acceptance rate of head '
+      '1 under greedy speculative decoding of the set. tokens/fwd: emitted tokens per main forward (the '
+      'bonus token counts). speedup vs plain: wall-clock tokens/s of speculative over plain greedy '
+      'decoding of the same model; speed vs the first row: speculative tokens/s relative to that row.', '',
+      results_table(rows), '', '## CAR / AR (%) per draft depth, mean over prompt sets', '',
+      per_head_table(rows), ''])
+  with open(os.path.join(out_dir, 'results.md'), 'w') as f:
+    f.write(md)
+  with open(os.path.join(out_dir, 'results.json'), 'w') as f:
+    json.dump({label: runs for label, runs in rows}, f, indent=2)
+  if depth_of(rows):
+    plot_acceptance(rows, os.path.join(out_dir, 'acceptance.png'))
+  plot_loss_curves(rows, run_dirs, os.path.join(out_dir, 'loss_curves.png'))
+  return md

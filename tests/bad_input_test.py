@@ -1,0 +1,100 @@
+"""Bad input: a one-line error, exit status 2, and the workdir's files left byte for byte as they were."""
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, 'JAX_NUM_CPU_DEVICES': '2'}
+pytestmark = pytest.mark.reliability
+
+
+def _run(args, timeout=120):
+  return subprocess.run([sys.executable, '-m', 'experiments.run', *args], cwd=ROOT, env=ENV,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def _snapshot(directory):
+  out = {}
+  for root, _, files in os.walk(directory):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, 'rb') as f:
+        out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+@pytest.fixture(scope='module')
+def files(tmp_path_factory):
+  """A workdir holding a finished two-step tiny run, and token/prompt files good and bad."""
+  d = tmp_path_factory.mktemp('bad_input')
+  workdir = str(d / 'run')
+  proc = _run(['--config=tiny', f'--workdir={workdir}', '--config.train.steps=2', '--config.ckpt.every_steps=1',
+               '--config.eval.enabled=False'], timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  np.save(d / 'empty.npy', np.zeros((0,), np.int32))
+  np.save(d / 'big_ids.npy', np.full((1000,), 300, np.int32))   # tiny's vocabulary is 256
+  np.save(d / 'matrix.npy', np.zeros((10, 10), np.int32))
+  (d / 'prompts.jsonl').write_text('{"text": "no prompt field"}\n')
+  return d, workdir
+
+
+CASES = [  # (extra arguments, text the one-line message must contain)
+    (['--config=no_such_config'], 'config file'),
+    (['--config.distill.top_n=0'], 'distill.top_n=0'),
+    (['--config.distill.top_n=100000'], 'distill.top_n=100000'),
+    (['--config.distill.beta=-1.0'], 'must be non-negative'),
+    (['--config.distill.beta=(0.5,0.5)'], 'distill.beta has 2 values'),
+    (['--config.mtp.num_heads=-1'], 'mtp.num_heads=-1'),
+    (['--config.distill.kl=sideways'], 'distill.kl'),
+    (['--config.distill.teacher=oracle'], 'distill.teacher'),
+    (['--config.distill.beta_schedule=zigzag'], 'distill.beta_schedule'),
+    (['--config.distill.top_n_mode=both'], 'distill.top_n_mode'),
+    (['--config.distill.tau=0.0'], 'distill.tau'),
+    (['--config.train.on_nan=ignore'], 'train.on_nan'),
+    (['--config.train.trainable=[9]'], 'head indices must lie in'),
+    (['--config.train.steps=0'], 'train.steps=0'),
+    (['--config.model.dtype=float8'], 'model.dtype'),
+    (['--config.looped.schedule=(4,2)'], 'looped.schedule'),
+    (['--config.mesh.shape=(3,1,1)'], 'mesh.shape'),
+    (['--config.mesh.axes=("data","fsdp","tensor")'], 'mesh.axes'),
+    (['--config.data.batch_size=7'], 'not divisible'),
+    (['--config.data.seq_len=4096'], 'exceeds model.max_seq_len'),
+    (['--config.eval.draft_depth=-2'], 'eval.draft_depth'),
+    (['--config.data.source=web'], 'data.source'),
+    (['--config.data.source=tokens', '--config.data.train_path=/no/such.npy'], 'is not a file'),
+    (['--config.data.source=tokens', '--config.data.train_path={d}/empty.npy'], 'too few tokens'),
+    (['--config.data.source=tokens', '--config.data.train_path={d}/big_ids.npy'], '>= vocab_size 256'),
+    (['--config.data.source=tokens', '--config.data.train_path={d}/matrix.npy'], '1-D integer array'),
+    (['--config.eval.jsonl=("chat=/no/such.jsonl",)'], 'eval.jsonl entry'),
+    (['--config.model.dim=32', '--config.model.head_dim=8'], 'another model'),
+    (['--config.train.resume=never'], 'train.resume=never'),
+    (['--config.no_such_field=1'], 'no_such_field'),
+    (['--config.train.steps=many'], 'train.steps'),
+    (['--sweep_index=3'], 'sweep_index=3'),
+]
+
+
+@pytest.mark.parametrize('args,message', CASES, ids=[' '.join(a)[:60] for a, _ in CASES])
+def test_bad_input_is_one_line_exit_2_and_leaves_the_workdir_unchanged(files, args, message):
+  d, workdir = files
+  before = _snapshot(workdir)
+  config = [a for a in args if a.startswith('--config=')] or ['--config=tiny']
+  rest = [a.format(d=d) for a in args if not a.startswith('--config=')]
+  proc = _run([*config, f'--workdir={workdir}', *rest])
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith('error: ') and message in lines[0], proc.stderr[-2000:]
+  assert _snapshot(workdir) == before
+
+
+def test_an_unwritable_workdir_is_refused_in_one_line(tmp_path):
+  blocker = tmp_path / 'file'
+  blocker.write_text('not a directory')
+  proc = _run(['--config=tiny', f'--workdir={blocker}/run'])
+  assert proc.returncode == 2 and proc.stderr.count('\n') == 1 and 'error: ' in proc.stderr, proc.stderr
+  assert blocker.read_text() == 'not a directory'
