@@ -14,7 +14,7 @@ $(BIN)/.installed: requirements.txt requirements-data.txt
 
 .PHONY: run test test-fast
 run: $(BIN)/.installed
-	$(BIN)/python -m experiments.run --config=mtp_vs_mtpd:quick
+	$(BIN)/python -m experiments.run --config=ablation_topn
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q tests
