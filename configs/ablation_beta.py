@@ -4,9 +4,7 @@ from configs import paper
 
 
 def get_config(arg: str = ''):
-  c = paper.get_config(arg)
-  c.mtp.num_heads = 4
-  return c
+  return paper.get_config(arg, num_heads=4)
 
 
 def get_sweep():

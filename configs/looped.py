@@ -9,8 +9,7 @@ from configs import paper
 
 
 def get_config(arg: str = ''):
-  c = paper.get_config(arg)
-  c.mtp.num_heads = 1
+  c = paper.get_config(arg, num_heads=1)
   c.looped.stage_steps = c.train.steps // 2
   return c
 

@@ -11,8 +11,9 @@ run of a few minutes (CI, notebooks).
 from configs import base
 
 
-def get_config(arg: str = ''):
+def get_config(arg: str = '', *, num_heads: int = 1):
   c = base.get_config()
+  c.mtp.num_heads = num_heads
   c.data.source = 'embedded'
   c.model.update(dict(dim=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=384,
                       max_seq_len=512))

@@ -59,7 +59,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     path = entry.partition('=')[2].partition(':')[0]
     if '=' not in entry or not os.path.isfile(path):
       raise FileNotFoundError(f"eval.jsonl entry {entry!r}: expected 'name=path[:field]' naming an existing file")
-  mesh_shape = sharding.resolve_mesh_shape(config.mesh.shape, config.mesh.axes, jax.device_count())
+  mesh_shape = sharding.resolve_mesh_shape(config.mesh.shape, config.mesh.axes,
+                                           sharding.mesh_device_count(config.mesh.shape))
   data_parallel = math.prod(n for n, ax in zip(mesh_shape, config.mesh.axes) if ax in sharding.AXIS_RULES['batch'])
   if config.data.batch_size % data_parallel:
     raise ValueError(f'data.batch_size={config.data.batch_size} is not divisible by the {data_parallel}-way '

@@ -44,14 +44,20 @@ def resolve_mesh_shape(shape, axes, num_devices: int) -> tuple[int, ...]:
   return shape
 
 
+def mesh_device_count(shape) -> int:
+  """Devices a mesh of `shape` uses: all, or in one process a fixed shape's product if it is smaller."""
+  fixed = -1 not in tuple(shape) and jax.process_count() == 1 and 0 < math.prod(shape) <= jax.device_count()
+  return math.prod(shape) if fixed else jax.device_count()
+
+
 def make_mesh(shape, axes, devices=None) -> jax.sharding.Mesh:
   """A mesh over `devices` (default: all devices of all processes), with Auto axis types.
 
   In a single process, a fixed shape smaller than the device count uses the first devices.
   """
   axis_types = (AxisType.Auto,) * len(axes)
-  if devices is None and -1 not in tuple(shape) and jax.process_count() == 1:
-    devices = jax.devices()[:math.prod(shape)] if math.prod(shape) <= jax.device_count() else jax.devices()
+  if devices is None and mesh_device_count(shape) < jax.device_count():
+    devices = jax.devices()[:mesh_device_count(shape)]
   if devices is None:
     shape = resolve_mesh_shape(shape, axes, jax.device_count())
     return jax.make_mesh(shape, tuple(axes), axis_types=axis_types)
