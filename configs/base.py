@@ -40,6 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
   # N (an int) or None = the whole vocabulary; 667 ≈ 8.1% of V, as the paper's 10,000 of 122,880.
   c.distill.top_n = config_dict.FieldReference(667, field_type=object)
   c.distill.top_n_mode = 'teacher'  # 'teacher' | 'union' (teacher ∪ student top-N: "10000x2")
+  c.distill.selection = 'threshold'  # how Top-N is found: 'threshold' (count search, a mask) | 'top_k' (a sort)
   c.distill.renormalize = True    # softmax over the selected logits on both sides; False = partial KL
   c.distill.kl = 'forward'        # 'forward' = KL(teacher ‖ student) | 'reverse'
   c.distill.tau = 1.0             # softmax temperature of both distributions
@@ -80,6 +81,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.init_heads = 'fresh'    # heads init_from lacks: 'fresh' | 'loop' (copy of head ((j-1) mod m)+1)
   c.train.resume = 'auto'         # 'auto': continue from the workdir's newest checkpoint | 'never'
   c.train.on_nan = 'stop'         # 'stop' | 'skip' (drop the update of a non-finite step)
+  # >0: the train loss reads hidden states and the unembedding in chunks of this many rows
+  # (fused_loss.py), never the [K+1, B, T, V] logits; 0: losses.mtp_d_loss on the logits.
+  c.train.loss_chunk_rows = 256
   c.train.log_every = 10
   c.train.eval_every = 0          # 0 = evaluate only at the end
   c.train.eval_batches = 4

@@ -4,17 +4,54 @@ Dimension legend: B batch, T positions, V vocab, K MTP heads, N Top-N selected l
 
 Alignment: head k at position i predicts token i+k+1, the same token as the main head at i+k,
 so the teacher of head k at i is the main logits at i+k (SPEC §2.2). All softmaxes run in f32.
+
+Top-N selection (SPEC §2.3) comes in two forms. `top_k` gathers the indices of `lax.top_k`, a
+sort on CPU that cost more than the whole KL. `threshold` finds, per row, a value c with
+count(logits > c) = N by a search of count reductions over V, and computes the KL over all of V
+with the unselected logits at -1e30: no sort and no gather, and every reduction over V shards
+over a vocab-sharded mesh axis (only per-row scalars cross devices). Its set equals top_k's when
+the logits are distinct; logits tied with the N-th largest are all selected.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from mtpd_jax.model import shift_left
+from mtpd_jax.top_n import above, count_above, top_n_threshold  # noqa: F401  (re-exported)
 
 KL_DIRECTIONS = ('forward', 'reverse')
 TOP_N_MODES = ('teacher', 'union')
 TEACHERS = ('main', 'ensemble_mean')
+SELECTIONS = ('top_k', 'threshold')
 _MASKED = -1e9  # logit of an unselected entry: exp underflows to 0, differences stay finite
+_OFF = 1e30     # subtracted from unselected logits in the threshold form (absorbs the logit in f32)
+
+
+@jax.custom_vjp
+def materialize_grad(x):
+  """Identity whose cotangent is written to memory before it flows back (on CPU; a no-op elsewhere).
+
+  XLA:CPU otherwise fuses the whole loss gradient into the transposing copy that feeds the
+  unembedding's weight-gradient matmul, evaluating it in column order (5-10x slower than the
+  loss gradient plus a plain transpose). A conditional is the one boundary it never fuses across
+  (an optimization barrier is dropped before fusion on CPU).
+  """
+  return x
+
+
+def _materialize_grad_bwd(_, g):
+  if jax.default_backend() != 'cpu':
+    return (g,)
+  leaves, treedef = jax.tree.flatten(g)
+  finite = jnp.isfinite(leaves[0].ravel()[0])  # unknown before run time, so the branch stays
+  out = lax.cond(finite, lambda ls: ls, lambda ls: [x * 1.0 for x in ls], leaves)
+  return (jax.tree.unflatten(treedef, out),)
+
+
+materialize_grad.defvjp(lambda x: (x, None), _materialize_grad_bwd)
 
 
 def xent(logits_BxTxV, targets_BxT):
@@ -54,16 +91,131 @@ def top_n_indices(teacher_BxTxV, student_BxTxV, top_n: int, mode: str):
   return idx_BxTxN, valid_BxTxN
 
 
+# ---------------------------------------------------------------------------------------------
+# The masked (threshold-selected) KL
+
+
+def _lse(x_BxTxV):
+  """logsumexp over V as (m, log Σ exp(x - m)), m the stop-gradient max; log-probabilities are
+  then (x - m) - log Σ, exact to f32 rounding of x - m even where |x| is large."""
+  m_BxT = lax.stop_gradient(jnp.max(x_BxTxV, axis=-1))
+  return m_BxT, jnp.log(jnp.sum(jnp.exp(x_BxTxV - m_BxT[..., None]), axis=-1))
+
+
+def _log_probs(x_BxTxV, lse):
+  return (x_BxTxV - lse[0][..., None]) - lse[1][..., None]
+
+
+def _selection(teacher_BxTxV, threshold_BxT, student_BxTxV=None, student_threshold_BxT=None):
+  """1.0 on the selected entries (teacher > its threshold, ∪ student > its threshold), else 0.0."""
+  sel = above(lax.stop_gradient(teacher_BxTxV) - threshold_BxT[..., None])
+  if student_threshold_BxT is not None:
+    sel_s = above(lax.stop_gradient(student_BxTxV) - student_threshold_BxT[..., None])
+    sel = sel + sel_s - sel * sel_s  # a union counts each index once
+  return sel
+
+
+def _masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT=None, s_lse_BxT=None):
+  """Teacher and student log-probabilities, over the selection or (renormalize=False) over V."""
+  if renormalize:
+    off_BxTxV = (sel_BxTxV - 1.0) * _OFF  # unselected: -1e30, so their probabilities are exactly 0
+    t_BxTxV, s_BxTxV = t_BxTxV + off_BxTxV, s_BxTxV + off_BxTxV
+  t_lse_BxT = _lse(t_BxTxV) if t_lse_BxT is None else t_lse_BxT
+  s_lse_BxT = _lse(s_BxTxV) if s_lse_BxT is None else s_lse_BxT
+  return _log_probs(t_BxTxV, t_lse_BxT), _log_probs(s_BxTxV, s_lse_BxT), t_lse_BxT, s_lse_BxT
+
+
+def _masked_kl(t_BxTxV, s_BxTxV, sel_BxTxV, *, direction, renormalize, t_lse_BxT=None):
+  """KL over the entries where sel = 1, from f32 logits already divided by τ.
+
+  renormalize: both softmaxes over the selection; else full-vocabulary softmaxes, with the KL
+  terms summed over the selection. `t_lse_BxT`: the teacher's log-normaliser, if precomputed.
+  """
+  logq, logp, _, _ = _masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT)
+  if direction == 'forward':
+    terms = jnp.exp(logq) * (logq - logp)
+  elif direction == 'reverse':
+    terms = jnp.exp(logp) * (logp - logq)
+  else:
+    raise ValueError(f'unknown KL direction {direction!r}; expected one of {KL_DIRECTIONS}')
+  return jnp.sum(terms if renormalize else terms * sel_BxTxV, axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _detached_kl(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, direction, renormalize):
+  """`_masked_kl` over a threshold selection, differentiated only in the student.
+
+  The teacher (its logits, threshold and log-normaliser) is read `shift` rows on: head k at row
+  i against the main head at row i+k. The gradient is an elementwise expression of the logits
+  and per-row scalars, recomputed in the backward pass, so no [.., V] residual is stored.
+  """
+  return _detached_kl_fwd(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, direction, renormalize)[0]
+
+
+def _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, renormalize, s_lse_R=None):
+  """The shifted teacher's selection and both log-probabilities, as rows R = B·T aligned with the
+  student's rows: XLA:CPU's vectorised reductions need whole 2-D arrays (an offset slice, or a
+  leading dimension of 1, falls back to a loop 10-20x slower than a copy)."""
+  t_BxTxV = shift_left(t_BxTxV, shift)
+  thr_BxT = shift_left(thr_BxT, shift, fill=-jnp.inf)  # rows past the end: select everything
+  t_lse_BxT = jax.tree.map(lambda x: shift_left(x, shift), t_lse_BxT)
+  rows = lambda x: jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), x)
+  sel_RxV = _selection(rows(t_BxTxV), rows(thr_BxT), rows(s_BxTxV), rows(s_thr_BxT))
+  logq, logp, _, s_lse_R = _masked_log_probs(rows(t_BxTxV), rows(s_BxTxV), sel_RxV, renormalize,
+                                             rows(t_lse_BxT), s_lse_R)
+  return sel_RxV, logq, logp, s_lse_R
+
+
+def _detached_kl_fwd(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, direction, renormalize):
+  sel_RxV, logq, logp, s_lse_R = _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift,
+                                          renormalize)
+  w_RxV = jnp.exp(logq if direction == 'forward' else logp)
+  w_RxV = w_RxV if renormalize else w_RxV * sel_RxV
+  kl_R = jnp.sum(w_RxV * ((logq - logp) if direction == 'forward' else (logp - logq)), axis=-1)
+  # Σ_S q (forward) or Σ_S p (reverse): 1 when renormalised
+  mass_R = jnp.ones_like(kl_R) if renormalize else jnp.sum(w_RxV, axis=-1)
+  kl_BxT = kl_R.reshape(s_BxTxV.shape[:-1])
+  return kl_BxT, (t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, s_lse_R, kl_R, mass_R)
+
+
+def _detached_kl_bwd(shift, direction, renormalize, res, g_BxT):
+  t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, s_lse_R, kl_R, mass_R = res
+  sel_RxV, logq, logp, _ = _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift,
+                                    renormalize, s_lse_R)
+  p_RxV, g_Rx1 = jnp.exp(logp), g_BxT.reshape(-1, 1)
+  sel = 1.0 if renormalize else sel_RxV  # renormalised: p and q are already 0 off the selection
+  if direction == 'forward':  # d/ds Σ_S q (log q - log p) = p·Σ_S q - q on S
+    ds_RxV = g_Rx1 * (p_RxV * mass_R[:, None] - sel * jnp.exp(logq))
+  else:  # d/ds Σ_S p (log p - log q) = p·(log p - log q + 1) on S - p·(KL + Σ_S p), summed so
+    # that the 1 and Σ_S p (also 1 when renormalised) cancel exactly instead of eating f32 bits
+    ds_RxV = g_Rx1 * p_RxV * ((sel * (logp - logq) - kl_R[:, None]) + (sel - mass_R[:, None]))
+  zero = lambda x: jax.tree.map(jnp.zeros_like, x)
+  return zero(t_BxTxV), ds_RxV.reshape(s_BxTxV.shape), zero(thr_BxT), zero(s_thr_BxT), zero(t_lse_BxT)
+
+
+_detached_kl.defvjp(_detached_kl_fwd, _detached_kl_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# KL and the full loss
+
+
 def kl_divergence(teacher_BxTxV, student_BxTxV, idx_BxTxN=None, valid_BxTxN=None, *,
-                  direction: str = 'forward', renormalize: bool = True, tau: float = 1.0):
-  """Per-position KL between teacher and student, over the selected indices (all of V if idx is None).
+                  direction: str = 'forward', renormalize: bool = True, tau: float = 1.0,
+                  threshold_BxT=None, student_threshold_BxT=None):
+  """Per-position KL between teacher and student, over the selected indices (all of V if none).
 
   forward = KL(teacher ‖ student) (mass-covering, the paper's default); reverse = KL(student ‖ teacher).
-  renormalize: both softmaxes run over the selected logits only (SPEC §2.3, default); otherwise
-  the full-vocabulary log-probabilities are gathered and the KL sum is restricted to S.
+  The selection is either gathered indices (`idx`, `valid` from `top_n_indices`) or a threshold
+  (teacher > `threshold_BxT`, joined with student > `student_threshold_BxT` if given; see
+  `top_n_threshold`). renormalize: both softmaxes run over the selected logits only (SPEC §2.3,
+  default); otherwise full-vocabulary log-probabilities, with the KL sum restricted to S.
   """
   t_BxTxV = teacher_BxTxV.astype(jnp.float32) / tau
   s_BxTxV = student_BxTxV.astype(jnp.float32) / tau
+  if threshold_BxT is not None:
+    sel_BxTxV = _selection(teacher_BxTxV, threshold_BxT, student_BxTxV, student_threshold_BxT)
+    return _masked_kl(t_BxTxV, s_BxTxV, sel_BxTxV, direction=direction, renormalize=renormalize)
   if idx_BxTxN is None:
     logq, logp = jax.nn.log_softmax(t_BxTxV, -1), jax.nn.log_softmax(s_BxTxV, -1)
     valid = jnp.ones(logq.shape, bool)
@@ -98,10 +250,45 @@ def ensemble_teacher(logits_BxTxV, mtp_logits_KxBxTxV, k: int):
   return jax.nn.logsumexp(logp_MxBxTxV, axis=0) - jnp.log(float(len(members)))
 
 
+def _threshold_kls(logits_BxTxV, mtp_logits_KxBxTxV, heads, *, top_n, top_n_mode, kl, renormalize, tau,
+                   detach, teacher):
+  """Per head k, the threshold-selected KL at each position ([B, T]; junk at the last k positions).
+
+  With the main head as teacher, its selection (and, in `teacher` mode, its log-normaliser over
+  the selection) is computed once per row; head k reads it k rows on.
+  """
+  main_t_BxTxV = (lax.stop_gradient(logits_BxTxV) if detach else logits_BxTxV).astype(jnp.float32) / tau
+  if teacher == 'main':
+    main_thr_BxT = top_n_threshold(main_t_BxTxV, top_n)
+    main_lse_BxT = None
+    if top_n_mode == 'teacher':
+      main_sel_BxTxV = _selection(main_t_BxTxV, main_thr_BxT)
+      main_lse_BxT = _lse(main_t_BxTxV + (main_sel_BxTxV - 1.0) * _OFF if renormalize else main_t_BxTxV)
+  kls = []
+  for k, student_BxTxV in enumerate(heads, start=1):
+    s_BxTxV = student_BxTxV.astype(jnp.float32) / tau
+    s_thr_BxT = top_n_threshold(s_BxTxV, top_n) if top_n_mode == 'union' else None
+    if teacher == 'main':  # head k at row i against the main head at row i+k
+      t_BxTxV, thr_BxT, lse_BxT, shift = main_t_BxTxV, main_thr_BxT, main_lse_BxT, k
+    else:
+      t_BxTxV = ensemble_teacher(logits_BxTxV, mtp_logits_KxBxTxV, k) / tau
+      t_BxTxV = lax.stop_gradient(t_BxTxV) if detach else t_BxTxV
+      thr_BxT, lse_BxT, shift = top_n_threshold(t_BxTxV, top_n), None, 0
+    if detach:
+      kls.append(_detached_kl(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, lse_BxT, shift, kl, renormalize))
+    else:
+      t_BxTxV, thr_BxT = shift_left(t_BxTxV, shift), shift_left(thr_BxT, shift, fill=-jnp.inf)
+      lse_BxT = jax.tree.map(lambda x: shift_left(x, shift), lse_BxT)
+      kls.append(_masked_kl(t_BxTxV, s_BxTxV, _selection(t_BxTxV, thr_BxT, s_BxTxV, s_thr_BxT),
+                            direction=kl, renormalize=renormalize, t_lse_BxT=lse_BxT))
+  return kls
+
+
 def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, target_segment_ids_BxT,
                *, ce_weight: float = 0.3, beta=(1.0,), distill: bool = True, top_n: int | None = None,
                top_n_mode: str = 'teacher', renormalize: bool = True, kl: str = 'forward',
-               tau: float = 1.0, detach: bool = True, teacher: str = 'main', beta_scale=1.0):
+               tau: float = 1.0, detach: bool = True, teacher: str = 'main', beta_scale=1.0,
+               selection: str = 'threshold'):
   """The MTP-D training loss and its per-head metrics.
 
   Args:
@@ -114,9 +301,12 @@ def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, t
     distill: False gives the plain "MTP" baseline (CE only, no KL computed).
     top_n: N, or None for the whole vocabulary. top_n_mode, renormalize, kl, tau, detach,
       teacher: the SPEC §2–3 knobs, see `top_n_indices`, `kl_divergence`, `ensemble_teacher`.
+    selection: how Top-N is found: 'threshold' (`top_n_threshold`, a mask; ties at the N-th
+      value are all selected) or 'top_k' (`lax.top_k` indices, gathered).
   Returns:
     (loss, metrics) with metrics keyed `loss`, `xent`, `mtp/k{k}/xent`, `distill/k{k}/kl`,
-    `mtp/k{k}/agree` (teacher-forced: argmax of head k at i equals the main argmax at i+k).
+    `mtp/k{k}/agree` (teacher-forced: the main head's argmax at i+k is an argmax of head k at i;
+    one argmax per row instead of K+1, which cost 5% of a vocab-32k step).
   """
   num_heads = mtp_logits_KxBxTxV.shape[0]
   if len(beta) != num_heads:
@@ -125,6 +315,14 @@ def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, t
     raise ValueError(f'unknown teacher {teacher!r}; expected one of {TEACHERS}')
   if top_n_mode not in TOP_N_MODES:
     raise ValueError(f'unknown top_n_mode {top_n_mode!r}; expected one of {TOP_N_MODES}')
+  if selection not in SELECTIONS:
+    raise ValueError(f'unknown selection {selection!r}; expected one of {SELECTIONS}')
+  if kl not in KL_DIRECTIONS:
+    raise ValueError(f'unknown KL direction {kl!r}; expected one of {KL_DIRECTIONS}')
+  logits_BxTxV, mtp_logits_KxBxTxV = materialize_grad((logits_BxTxV, mtp_logits_KxBxTxV))
+  # Split, not index: the cotangents of the heads are then concatenated, where indexing would
+  # add K zero-padded [K, B, T, V] arrays, which XLA:CPU re-reads K times (3x slower step).
+  heads = [h[0] for h in jnp.split(mtp_logits_KxBxTxV, num_heads)] if num_heads else []
   main_mask_BxT = target_mask(segment_ids_BxT, target_segment_ids_BxT, 0)
   main_xent = masked_mean(xent(logits_BxTxV, targets_BxT), main_mask_BxT)
   metrics = {'xent': main_xent}
@@ -132,32 +330,41 @@ def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, t
   teacher_logits_BxTxV = jax.lax.stop_gradient(logits_BxTxV) if detach else logits_BxTxV
   main_argmax_BxT = jnp.argmax(logits_BxTxV, axis=-1)
   # The main-head Top-N of each row is shared by every head (head k reads it shifted by k).
-  shared_idx = None
-  if distill and top_n is not None and teacher == 'main' and top_n_mode == 'teacher':
+  shared_idx, threshold_kls = None, None
+  if distill and top_n is not None and selection == 'threshold':
+    threshold_kls = _threshold_kls(logits_BxTxV, mtp_logits_KxBxTxV, heads, top_n=top_n,
+                                   top_n_mode=top_n_mode, kl=kl, renormalize=renormalize, tau=tau,
+                                   detach=detach, teacher=teacher)
+  elif distill and top_n is not None and teacher == 'main' and top_n_mode == 'teacher':
     shared_idx = top_n_indices(teacher_logits_BxTxV, None, top_n, 'teacher')
   for k in range(1, num_heads + 1):
-    student_BxTxV = mtp_logits_KxBxTxV[k - 1]
+    student_BxTxV = heads[k - 1]
     mask_BxT = target_mask(segment_ids_BxT, target_segment_ids_BxT, k)
     ce_k = masked_mean(xent(student_BxTxV, shift_left(targets_BxT, k)), mask_BxT)
     loss += ce_weight / num_heads * ce_k
     metrics[f'mtp/k{k}/xent'] = ce_k
-    agree_BxT = jnp.argmax(student_BxTxV, axis=-1) == shift_left(main_argmax_BxT, k)
+    idx_BxTx1 = shift_left(main_argmax_BxT, k)[..., None]
+    at_main_argmax_BxT = jnp.take_along_axis(student_BxTxV, idx_BxTx1, axis=-1)[..., 0]
+    agree_BxT = at_main_argmax_BxT >= jnp.max(student_BxTxV, axis=-1)
     metrics[f'mtp/k{k}/agree'] = masked_mean(agree_BxT, mask_BxT)
     if not distill:
       continue
-    if teacher == 'main':
-      t_BxTxV = shift_left(teacher_logits_BxTxV, k)
+    if threshold_kls is not None:
+      kl_BxT = threshold_kls[k - 1]
     else:
-      t_BxTxV = ensemble_teacher(logits_BxTxV, mtp_logits_KxBxTxV, k)
-      t_BxTxV = jax.lax.stop_gradient(t_BxTxV) if detach else t_BxTxV
-    if top_n is None:
-      idx, valid = None, None
-    elif shared_idx is not None:
-      idx, valid = shift_left(shared_idx[0], k), shift_left(shared_idx[1], k)
-    else:
-      idx, valid = top_n_indices(t_BxTxV, student_BxTxV, top_n, top_n_mode)
-    kl_BxT = kl_divergence(t_BxTxV, student_BxTxV, idx, valid, direction=kl,
-                           renormalize=renormalize, tau=tau)
+      if teacher == 'main':
+        t_BxTxV = shift_left(teacher_logits_BxTxV, k)
+      else:
+        t_BxTxV = ensemble_teacher(logits_BxTxV, mtp_logits_KxBxTxV, k)
+        t_BxTxV = jax.lax.stop_gradient(t_BxTxV) if detach else t_BxTxV
+      if top_n is None:
+        idx, valid = None, None
+      elif shared_idx is not None:
+        idx, valid = shift_left(shared_idx[0], k), shift_left(shared_idx[1], k)
+      else:
+        idx, valid = top_n_indices(t_BxTxV, student_BxTxV, top_n, top_n_mode)
+      kl_BxT = kl_divergence(t_BxTxV, student_BxTxV, idx, valid, direction=kl,
+                             renormalize=renormalize, tau=tau)
     kl_k = masked_mean(kl_BxT, mask_BxT)
     loss += beta_scale * beta[k - 1] * kl_k
     metrics[f'distill/k{k}/kl'] = kl_k

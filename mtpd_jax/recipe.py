@@ -24,6 +24,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   m, d, k = config.model, config.distill, config.mtp.num_heads
   choices = {'distill.kl': (d.kl, losses.KL_DIRECTIONS), 'distill.teacher': (d.teacher, losses.TEACHERS),
              'distill.top_n_mode': (d.top_n_mode, losses.TOP_N_MODES),
+             'distill.selection': (d.selection, losses.SELECTIONS),
              'distill.beta_schedule': (d.beta_schedule, BETA_SCHEDULES),
              'train.on_nan': (config.train.on_nan, ('stop', 'skip')),
              'train.init_heads': (config.train.init_heads, ('fresh', 'loop')),
@@ -47,6 +48,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f'looped.schedule={schedule} must be increasing head counts starting at >= 1')
   if config.train.steps < 1:
     raise ValueError(f'train.steps={config.train.steps} must be >= 1')
+  if config.train.loss_chunk_rows < 0:
+    raise ValueError(f'train.loss_chunk_rows={config.train.loss_chunk_rows} must be >= 0 (0 = unchunked loss)')
   if config.eval.draft_depth < 0:
     raise ValueError(f'eval.draft_depth={config.eval.draft_depth} must be >= 1 (or 0 for K)')
   if config.data.source not in ('synthetic', 'tokens', 'embedded'):
@@ -96,7 +99,7 @@ def loss_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
   d = config.distill
   return dict(ce_weight=config.mtp.ce_weight, beta=resolve_beta(config), distill=d.enabled,
               top_n=d.top_n, top_n_mode=d.top_n_mode, renormalize=d.renormalize, kl=d.kl,
-              tau=d.tau, detach=d.detach, teacher=d.teacher)
+              tau=d.tau, detach=d.detach, teacher=d.teacher, selection=d.selection)
 
 
 def trainable_labels(params: nnx.State, trainable) -> Any:

@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mtpd_jax import checkpoint, losses, recipe, runtime, sharding
+from mtpd_jax import checkpoint, fused_loss, losses, recipe, runtime, sharding
 from mtpd_jax.model import MTPTransformer
 
 
@@ -99,24 +99,29 @@ def abstract_train_state(config: ml_collections.ConfigDict, mesh) -> tuple[Train
 # Steps
 
 
-def _forward_loss(params, graphdef, batch, *, loss_kw, isolate_trunk, beta_scale):
+def _forward_loss(params, graphdef, batch, *, loss_kw, isolate_trunk, beta_scale, loss_chunk_rows=0):
   model = nnx.merge(graphdef, params)
   out = model(batch['inputs'], batch['segment_ids'], isolate_trunk=isolate_trunk)
-  return losses.mtp_d_loss(out.logits_BxTxV, out.mtp_logits_KxBxTxV, batch['targets'],
-                           batch['segment_ids'], batch['target_segment_ids'],
-                           beta_scale=beta_scale, **loss_kw)
+  labels = (batch['targets'], batch['segment_ids'], batch['target_segment_ids'])
+  if loss_chunk_rows and fused_loss.supported(**loss_kw):
+    # The loss reads the final-normed hidden states and the unembedding in row chunks; the model's
+    # logits go unused and XLA drops them, so no [K+1, B, T, V] array is materialised.
+    w_DxV = model.embed[...].T if model.cfg.tie_embeddings else model.unembed[...]
+    return fused_loss.mtp_d_loss_fused(model.final_norm(out.hidden_K1xBxTxD), w_DxV, *labels,
+                                       beta_scale=beta_scale, chunk_rows=loss_chunk_rows, **loss_kw)
+  return losses.mtp_d_loss(out.logits_BxTxV, out.mtp_logits_KxBxTxV, *labels, beta_scale=beta_scale, **loss_kw)
 
 
 def train_step(state: TrainState, batch, *, loss_kw, isolate_trunk, kl_warmup_steps, labels,
-               schedule, skip_nonfinite):
+               schedule, skip_nonfinite, loss_chunk_rows=0):
   """One optimizer step; metrics come back unprefixed (`loss`, `mtp/k1/xent`, ...)."""
   beta_scale = (jnp.minimum(1.0, state.step / kl_warmup_steps) if kl_warmup_steps else 1.0)
 
   def loss_fn(params):
     # Frozen parameters get no gradient at all, so XLA drops their backward pass.
     params = jax.tree.map(lambda p, l: p if l == 'train' else jax.lax.stop_gradient(p), params, labels)
-    return _forward_loss(params, state.graphdef, batch, loss_kw=loss_kw,
-                         isolate_trunk=isolate_trunk, beta_scale=beta_scale)
+    return _forward_loss(params, state.graphdef, batch, loss_kw=loss_kw, isolate_trunk=isolate_trunk,
+                         beta_scale=beta_scale, loss_chunk_rows=loss_chunk_rows)
   (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -143,7 +148,8 @@ def make_steps(config: ml_collections.ConfigDict, mesh, shardings: TrainState):
   batch_sh = NamedSharding(mesh, sharding.batch_spec(mesh))
   step_fn = jax.jit(functools.partial(train_step, **kw, labels=labels, schedule=recipe.learning_rate(config),
                                       kl_warmup_steps=config.distill.warmup_steps,
-                                      skip_nonfinite=config.train.on_nan == 'skip'),
+                                      skip_nonfinite=config.train.on_nan == 'skip',
+                                      loss_chunk_rows=config.train.loss_chunk_rows),
                     in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
                     donate_argnums=0)
   eval_fn = jax.jit(functools.partial(eval_step, **kw), in_shardings=(shardings, batch_sh))

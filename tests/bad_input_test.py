@@ -58,6 +58,7 @@ CASES = [  # (extra arguments, text the one-line message must contain)
     (['--config.train.on_nan=ignore'], 'train.on_nan'),
     (['--config.train.trainable=[9]'], 'head indices must lie in'),
     (['--config.train.steps=0'], 'train.steps=0'),
+    (['--config.train.loss_chunk_rows=-1'], 'train.loss_chunk_rows=-1'),
     (['--config.model.dtype=float8'], 'model.dtype'),
     (['--config.looped.schedule=(4,2)'], 'looped.schedule'),
     (['--config.mesh.shape=(3,1,1)'], 'mesh.shape'),

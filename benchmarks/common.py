@@ -1,0 +1,129 @@
+"""Shared pieces of the train-step benchmarks: configs, a built step, side-by-side timing, results.
+
+Every benchmark runs the library's own train step (`train.abstract_train_state`, `init_train_state`,
+`make_steps`) on a one-device mesh with synthetic batches, so what is timed is what trains.
+"""
+
+import copy
+import json
+import os
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from configs import base, tiny
+from mtpd_jax import evaluate, losses, recipe, sharding, train
+
+RESULTS_DIR = os.path.join(os.path.dirname(__file__), 'results')
+TOP_N_FRACTION = 10_000 / 122_880  # the paper's N / V (≈ 8.1%)
+
+
+def get_config(name: str, *, num_heads: int, distill: bool = True, batch_size: int | None = None,
+               seq_len: int | None = None):
+  """'tiny' (configs/tiny.py) or 'v32k' (d=512, 6 layers, vocab 32,000, T=1024, B=2)."""
+  if name == 'tiny':
+    c = tiny.get_config()
+  elif name == 'v32k':
+    c = base.get_config()
+    c.model.update(dict(vocab_size=32_000, dim=512, num_layers=6, num_heads=8, num_kv_heads=4,
+                        head_dim=64, mlp_dim=1536, max_seq_len=1024))
+    c.data.update(dict(seq_len=1024, batch_size=2, synthetic_records=64))
+  else:
+    raise ValueError(f'unknown benchmark config {name!r}')
+  if batch_size:
+    c.data.batch_size = batch_size
+  if seq_len:
+    c.data.seq_len = seq_len
+    c.model.max_seq_len = max(c.model.max_seq_len, seq_len)
+  c.mtp.num_heads = num_heads
+  c.distill.enabled = distill and num_heads > 0
+  c.distill.top_n = max(1, round(TOP_N_FRACTION * c.model.vocab_size))
+  c.mesh.shape = (1, 1, 1)
+  return c
+
+
+class Step:
+  """A built train step: its jitted function, a live state and one device-resident batch.
+
+  fused_chunk_rows > 0 takes the loss from hidden states in row chunks (train.loss_chunk_rows);
+  0 computes it from the full logits. selection overrides distill.selection.
+  init=False keeps the state abstract: the step can then be compiled (`compiled`) but not run.
+  """
+
+  def __init__(self, config, mesh, *, init: bool = True, fused_chunk_rows: int = 0, selection: str | None = None):
+    config = copy.deepcopy(config)
+    config.train.loss_chunk_rows = fused_chunk_rows
+    if selection:
+      config.distill.selection = selection
+    self.abstract, shardings = train.abstract_train_state(config, mesh)
+    self.step_fn, _ = train.make_steps(config, mesh, shardings)
+    self.state = train.init_train_state(config, self.abstract, shardings) if init else None
+    self.batch = sharding.put_batch(next(recipe.make_data_iterator(config, 'train')), mesh)
+    self.tokens = config.data.batch_size * config.data.seq_len
+    self._compiled = None
+    if init:
+      self.run()
+
+  def run(self) -> float:
+    """Seconds of one step (dispatch to completion); the state advances."""
+    start = time.perf_counter()
+    self.state, metrics = self.step_fn(self.state, self.batch)
+    jax.block_until_ready((self.state, metrics))
+    return time.perf_counter() - start
+
+  def compiled(self):
+    """The compiled step."""
+    if self._compiled is None:
+      self._compiled = self.step_fn.lower(self.state or self.abstract, self.batch).compile()
+    return self._compiled
+
+
+def one_device_mesh():
+  return sharding.make_mesh((1, 1, 1), ('data', 'fsdp', 'model'))
+
+
+def time_side_by_side(steps: dict[str, Step], reps: int, warmup: int = 1) -> dict[str, list[float]]:
+  """Step seconds of each variant, run in alternation (v1, v2, ..., v1, v2, ...) after warm-up."""
+  for _ in range(warmup):
+    for s in steps.values():
+      s.run()
+  times = {name: [] for name in steps}
+  for _ in range(reps):
+    for name, s in steps.items():
+      times[name].append(s.run())
+  return times
+
+
+def median_ratio(num: list[float], den: list[float]) -> float:
+  """Median of the per-repetition ratios (neighbouring runs share the machine's noise)."""
+  return statistics.median(a / b for a, b in zip(num, den))
+
+
+def matmul_flops_per_s(n: int = 2048, reps: int = 5) -> float:
+  """Best-of f32 FLOP/s of an n³ matmul: the machine's compute ceiling, measured in-process."""
+  a = jax.random.normal(jax.random.key(0), (n, n), np.float32)
+  f = jax.jit(lambda x: x @ x)
+  jax.block_until_ready(f(a))
+  best = float('inf')
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(f(a))
+    best = min(best, time.perf_counter() - start)
+  return 2 * n ** 3 / best
+
+
+def write_results(name: str, results: dict) -> str:
+  """Print `key=value` for the scalar results and write benchmarks/results/<name>.json."""
+  for k, v in results.items():
+    if isinstance(v, (int, float, str, bool)):
+      print(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}')
+  os.makedirs(RESULTS_DIR, exist_ok=True)
+  path = os.path.join(RESULTS_DIR, f'{name}.json')
+  meta = {'device': str(jax.devices()[0]), 'jax': jax.__version__, 'cpu_count': os.cpu_count(),
+          'selections': losses.SELECTIONS}
+  with open(path, 'w') as f:
+    json.dump(evaluate.json_ready({**results, 'meta': meta}), f, indent=2)
+  print(f'wrote {path}')
+  return path

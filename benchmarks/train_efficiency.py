@@ -1,0 +1,81 @@
+"""Model FLOP/s of the d=512 vocab-32k MTP-D train step over the FLOP/s of a large f32 matmul.
+
+  python -m benchmarks.train_efficiency [--heads=4] [--reps=3] [--batch_size=1] [--seq_len=1024]
+                                        [--fused_chunk_rows=256]
+
+Model FLOPs are counted analytically: 6 · (matmul parameters used per token) · tokens, where the
+unembedding counts once per predictor (main head + K heads), plus attention scores and values
+(12 · B · T² · H · E per block: no causal skipping, as the model computes the full T×S). XLA's
+own count (`compiled.cost_analysis()['flops']`) is reported alongside. The ceiling is the best
+f32 FLOP/s of an n³ matmul measured in the same process, before and after the steps.
+`flops_fraction` = model FLOPs / median step time / ceiling, for the library's step as wired now;
+`fused/flops_fraction` for the fused loss (fused_loss.mtp_d_loss_fused from hidden states,
+train.loss_chunk_rows), timed in alternation with it. Writes
+benchmarks/results/train_efficiency.json.
+"""
+
+import argparse
+import statistics
+
+import jax
+
+from benchmarks import common
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--heads', type=int, default=4, help='K')
+  p.add_argument('--distill', type=int, default=1, help='1: MTP-D, 0: CE-only MTP')
+  p.add_argument('--reps', type=int, default=3, help='timed steps after one warm-up step')
+  p.add_argument('--batch_size', type=int, default=1)
+  p.add_argument('--seq_len', type=int, default=1024)
+  p.add_argument('--matmul_n', type=int, default=2048, help='size of the reference matmul')
+  p.add_argument('--fused_chunk_rows', type=int, default=256, help='0: skip the fused loss')
+  return p.parse_args(argv)
+
+
+def model_flops(config) -> float:
+  """Analytic FLOPs of one train step (forward + backward) of the MTP transformer."""
+  m, k = config.model, config.mtp.num_heads
+  d, h, g, e, f, v = m.dim, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size
+  b, t = config.data.batch_size, config.data.seq_len
+  block = d * h * e + 2 * d * g * e + h * e * d + 3 * d * f   # matmul weights of one block
+  per_token = m.num_layers * block + k * (block + 2 * d * d) + (k + 1) * d * v
+  attention = 12 * b * t * t * h * e * (m.num_layers + k)
+  return 6.0 * per_token * b * t + attention
+
+
+def main(args: argparse.Namespace) -> dict:
+  config = common.get_config('v32k', num_heads=args.heads, distill=bool(args.distill),
+                             batch_size=args.batch_size, seq_len=args.seq_len)
+  ceiling_before = common.matmul_flops_per_s(args.matmul_n)
+  mesh = common.one_device_mesh()
+  with jax.set_mesh(mesh):
+    steps = {'current': common.Step(config, mesh)}
+    if args.fused_chunk_rows:
+      steps['fused'] = common.Step(config, mesh, fused_chunk_rows=args.fused_chunk_rows)
+    xla_flops = {k: float(s.compiled().cost_analysis()['flops']) for k, s in steps.items()}
+    times = common.time_side_by_side(steps, args.reps)
+  ceiling_after = common.matmul_flops_per_s(args.matmul_n)
+  ceiling = max(ceiling_before, ceiling_after)
+  flops = model_flops(config)
+  results = {
+      'flops_method': 'analytic: 6*matmul_params_per_token*tokens (unembedding once per predictor) '
+                      '+ 12*B*T^2*H*E per block; XLA cost_analysis flops reported as xla_flops',
+      'heads': args.heads, 'distill': bool(args.distill), 'batch_size': args.batch_size,
+      'seq_len': args.seq_len, 'times_s': times, 'model_flops': flops, 'xla_flops': xla_flops,
+      'matmul_flops_per_s': ceiling, 'matmul_flops_per_s_before_after': [ceiling_before, ceiling_after],
+  }
+  for name, t in times.items():
+    prefix = '' if name == 'current' else f'{name}/'
+    step_s = statistics.median(t)
+    results[f'{prefix}step_s'] = step_s
+    results[f'{prefix}model_flops_per_s'] = flops / step_s
+    results[f'{prefix}flops_fraction'] = flops / step_s / ceiling
+    results[f'{prefix}xla_flops_fraction'] = xla_flops[name] / step_s / ceiling
+  common.write_results('train_efficiency', results)
+  return results
+
+
+if __name__ == '__main__':
+  main(parse_args())

@@ -1,0 +1,69 @@
+"""Peak memory of a K=4 vocab-32k MTP-D train step over a K=0 (plain LM) step, from XLA.
+
+  python -m benchmarks.train_memory [--heads=4] [--batch_size=2] [--seq_len=1024] [--fused_chunk_rows=256] [--remat=0]
+
+Nothing runs: each step (train.make_steps, one device) is lowered and compiled, and XLA's memory
+analysis of the compiled program gives its bytes. `mem_k4_over_k0` uses temp + argument + output
+bytes, as the issue defines it; since the step donates its state, the output aliases the
+argument, so `..._no_alias` also reports temp + argument + output - alias (the live peak bound).
+`..._fused` measures the same steps with the fused loss (train.loss_chunk_rows: the
+loss from hidden states in row chunks, fused_loss.mtp_d_loss_fused), which the library's
+train.py does not use yet. Prints name=value lines, writes benchmarks/results/train_memory.json.
+"""
+
+import argparse
+
+import jax
+
+from benchmarks import common
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--heads', type=int, default=4, help='K of the numerator step')
+  p.add_argument('--batch_size', type=int, default=2)
+  p.add_argument('--seq_len', type=int, default=1024)
+  p.add_argument('--fused_chunk_rows', type=int, default=256, help='0: skip the fused loss')
+  p.add_argument('--remat', type=int, default=0, help='1: model.remat (recompute blocks in the backward)')
+  return p.parse_args(argv)
+
+
+def step_memory(num_heads: int, batch_size: int, seq_len: int, fused_chunk_rows: int = 0,
+                remat: bool = False) -> dict:
+  """Byte counts of XLA's memory analysis of one compiled train step."""
+  mesh = common.one_device_mesh()
+  config = common.get_config('v32k', num_heads=num_heads, batch_size=batch_size, seq_len=seq_len)
+  config.model.remat = remat
+  with jax.set_mesh(mesh):
+    m = common.Step(config, mesh, init=False, fused_chunk_rows=fused_chunk_rows).compiled().memory_analysis()
+  out = {k: int(getattr(m, f'{k}_size_in_bytes')) for k in ('temp', 'argument', 'output', 'alias', 'generated_code')}
+  out['total'] = out['temp'] + out['argument'] + out['output']
+  out['total_no_alias'] = out['total'] - out['alias']
+  return out
+
+
+def main(args: argparse.Namespace) -> dict:
+  k, c = args.heads, args.fused_chunk_rows
+  r = bool(args.remat)
+  mem = {f'k{k}': step_memory(k, args.batch_size, args.seq_len, 0, r),
+         'k0': step_memory(0, args.batch_size, args.seq_len, 0, r)}
+  if c:
+    mem[f'k{k}_fused'] = step_memory(k, args.batch_size, args.seq_len, c, r)
+    mem['k0_fused'] = step_memory(0, args.batch_size, args.seq_len, c, r)
+  results = {'method': 'XLA compiled.memory_analysis(): temp + argument + output bytes of the jitted train step',
+             'batch_size': args.batch_size, 'seq_len': args.seq_len, 'remat': r, 'bytes': mem}
+  for name, m in mem.items():
+    results[f'{name}_total_gib'] = m['total'] / 2 ** 30
+    results[f'{name}_temp_gib'] = m['temp'] / 2 ** 30
+  results[f'mem_k{k}_over_k0'] = mem[f'k{k}']['total'] / mem['k0']['total']
+  results[f'mem_k{k}_over_k0_no_alias'] = mem[f'k{k}']['total_no_alias'] / mem['k0']['total_no_alias']
+  if c:
+    results['fused_chunk_rows'] = c
+    results[f'mem_k{k}_over_k0_fused'] = mem[f'k{k}_fused']['total'] / mem['k0_fused']['total']
+    results[f'mem_k{k}_fused_over_k0'] = mem[f'k{k}_fused']['total'] / mem['k0']['total']
+  common.write_results('train_memory', results)
+  return results
+
+
+if __name__ == '__main__':
+  main(parse_args())

@@ -1,0 +1,161 @@
+"""The MTP-D loss from hidden states, in row chunks: no [K+1, B, T, V] logits ever exist.
+
+`losses.mtp_d_loss` takes the logits of the main head and of every MTP head, so a train step
+holds K+1 [B, T, V] arrays plus their gradients: with V = 32k that, not the model, sets the
+step's memory. Here the final-normed hidden states and the unembedding come in instead, and the
+loss walks over chunks of rows; each chunk computes its logits, its loss terms and, at once,
+their gradients with respect to the chunk's hidden states and the unembedding (the fused
+linear-cross-entropy technique: no logits are stored and none are recomputed).
+
+Alignment: head k at position i predicts token i+k+1 = targets[i+k], as does the main head at
+i+k, its teacher. Shifting head k's hidden states right by k puts every predictor of targets[j]
+on row j, so a chunk of rows holds each KL pair whole.
+
+Supported (see `supported`): plain MTP, and MTP-D with teacher='main', detach=True and
+selection='threshold' (the defaults) with any top_n (or None), top_n_mode, renormalize, kl and
+tau. Metrics are not differentiable.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mtpd_jax import losses
+
+
+def _shift_right(x_BxTx, k: int, fill=0):
+  """x[:, i - k] at position i; the first k positions get `fill`."""
+  if k == 0:
+    return x_BxTx
+  pad = jnp.full((x_BxTx.shape[0], k) + x_BxTx.shape[2:], fill, x_BxTx.dtype)
+  return jnp.concatenate([pad, x_BxTx[:, :-k]], axis=1)
+
+
+def _chunk(x_K1xCxD, w_DxV, targets_C, mask_K1xC, ce_coef_K1, kl_coef_K, cfg):
+  """Loss sums of one chunk of rows and their gradients w.r.t. its hidden states and w."""
+  top_n, top_n_mode, kl, renormalize, tau, distill = cfg
+  z_K1xCxV = jnp.einsum('kcd,dv->kcv', x_K1xCxD, w_DxV.astype(x_K1xCxD.dtype),
+                        preferred_element_type=jnp.float32)
+  num_pred, rows, v = z_K1xCxV.shape
+  onehot_CxV = (lax.broadcasted_iota(jnp.int32, (rows, v), 1) == targets_C[:, None]).astype(jnp.float32)
+  m_K1xC = jnp.max(z_K1xCxV, axis=-1)
+  e_K1xCxV = jnp.exp(z_K1xCxV - m_K1xC[..., None])
+  sum_K1xC = jnp.sum(e_K1xCxV, axis=-1)
+  ce_K1xC = (m_K1xC + jnp.log(sum_K1xC)) - jnp.sum(z_K1xCxV * onehot_CxV, axis=-1)
+  # d CE / d z = softmax - onehot, weighted by each row's share of its predictor's mean.
+  g_ce_K1xC = ce_coef_K1[:, None] * mask_K1xC
+  dz_K1xCxV = g_ce_K1xC[..., None] * (e_K1xCxV / sum_K1xC[..., None] - onehot_CxV)
+  # Agreement: the main head's argmax is an argmax of head k (one argmax per row, not K+1).
+  main_argmax_K1xCx1 = jnp.broadcast_to(jnp.argmax(z_K1xCxV[0], axis=-1)[None, :, None], (num_pred, rows, 1))
+  at_main_argmax_K1xC = jnp.take_along_axis(z_K1xCxV, main_argmax_K1xCx1, axis=-1)[..., 0]
+  sums = {'ce': jnp.sum(ce_K1xC * mask_K1xC, axis=-1),
+          'agree': jnp.sum((at_main_argmax_K1xC >= m_K1xC) * mask_K1xC, axis=-1)}
+  if distill and num_pred > 1:
+    t_1xCxV = z_K1xCxV[:1] / tau
+    thr_1xC = (losses.top_n_threshold(t_1xCxV, top_n) if top_n is not None
+               else jnp.full((1, rows), -jnp.inf))
+    t_lse = None
+    if top_n_mode == 'teacher':  # the teacher's log-normaliser over S, shared by every head
+      sel = losses._selection(t_1xCxV, thr_1xC)
+      t_lse = losses._lse(t_1xCxV + (sel - 1.0) * losses._OFF if renormalize else t_1xCxV)
+    kls, ds = [], [jnp.zeros((1, rows, v), jnp.float32)]
+    for k in range(1, num_pred):
+      s_1xCxV = z_K1xCxV[k:k + 1] / tau
+      s_thr_1xC = losses.top_n_threshold(s_1xCxV, top_n) if top_n_mode == 'union' else None
+      kl_1xC, res = losses._detached_kl_fwd(t_1xCxV, s_1xCxV, thr_1xC, s_thr_1xC, t_lse, 0, kl, renormalize)
+      g_1xC = kl_coef_K[k - 1] * mask_K1xC[k:k + 1]
+      ds.append(losses._detached_kl_bwd(0, kl, renormalize, res, g_1xC)[1] / tau)
+      kls.append(kl_1xC[0])
+    dz_K1xCxV = dz_K1xCxV + jnp.concatenate(ds)
+    sums['kl'] = jnp.sum(jnp.stack(kls) * mask_K1xC[1:], axis=-1)
+  dz = dz_K1xCxV.astype(x_K1xCxD.dtype)
+  dx_K1xCxD = jnp.einsum('kcv,dv->kcd', dz, w_DxV.astype(dz.dtype), preferred_element_type=jnp.float32)
+  dw_DxV = jnp.einsum('rd,rv->dv', x_K1xCxD.reshape(-1, x_K1xCxD.shape[-1]), dz.reshape(-1, v),
+                      preferred_element_type=jnp.float32)
+  return sums, dx_K1xCxD.astype(x_K1xCxD.dtype), dw_DxV
+
+
+def _fused_fwd(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg, chunk_rows):
+  num_pred, r, d = x_K1xRxD.shape
+  n = r // chunk_rows
+  xs = (x_K1xRxD.reshape(num_pred, n, chunk_rows, d).swapaxes(0, 1), targets_R.reshape(n, chunk_rows),
+        mask_K1xR.reshape(num_pred, n, chunk_rows).swapaxes(0, 1))
+
+  def body(dw_DxV, xs_c):
+    sums, dx, dw = _chunk(*xs_c[:1], w_DxV, *xs_c[1:], ce_coef_K1, kl_coef_K, cfg)
+    return dw_DxV + dw, (sums, dx)
+  dw_DxV, (sums, dx_NxK1xCxD) = lax.scan(body, jnp.zeros(w_DxV.shape, jnp.float32), xs)
+  sums = jax.tree.map(lambda s: jnp.sum(s, axis=0), sums)
+  loss = jnp.sum(ce_coef_K1 * sums['ce']) + (jnp.sum(kl_coef_K * sums['kl']) if 'kl' in sums else 0.0)
+  dx_K1xRxD = dx_NxK1xCxD.swapaxes(0, 1).reshape(num_pred, r, d)
+  return (loss, sums), (dx_K1xRxD, dw_DxV.astype(w_DxV.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _fused(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg, chunk_rows):
+  return _fused_fwd(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg, chunk_rows)[0]
+
+
+def _fused_bwd(cfg, chunk_rows, res, cts):
+  dx_K1xRxD, dw_DxV = res
+  g = cts[0]  # the loss's cotangent; metric sums are not differentiated
+  return g * dx_K1xRxD, g * dw_DxV, None, None, None, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def supported(*, distill: bool = True, teacher: str = 'main', detach: bool = True, selection: str = 'threshold',
+              **_) -> bool:
+  """Whether `mtp_d_loss_fused` implements these `losses.mtp_d_loss` keywords."""
+  return not distill or (teacher == 'main' and detach and selection == 'threshold')
+
+
+def mtp_d_loss_fused(hidden_K1xBxTxD, w_DxV, targets_BxT, segment_ids_BxT, target_segment_ids_BxT, *,
+                     ce_weight: float = 0.3, beta=(1.0,), distill: bool = True, top_n: int | None = None,
+                     top_n_mode: str = 'teacher', renormalize: bool = True, kl: str = 'forward',
+                     tau: float = 1.0, detach: bool = True, teacher: str = 'main', beta_scale=1.0,
+                     selection: str = 'threshold', chunk_rows: int = 256):
+  """`losses.mtp_d_loss` of the logits hidden @ w, without materialising them (same metrics).
+
+  Args:
+    hidden_K1xBxTxD: final-normed hidden states of the main head (index 0) and heads 1..K.
+    w_DxV: the shared unembedding (the model's `unembed`, or `embed.T` when tied).
+    chunk_rows: rows (of B·T) per chunk: memory ∝ (K+1)·chunk_rows·V, and fewer, larger chunks
+      run closer to matmul speed.
+    The rest: as `losses.mtp_d_loss`.
+  """
+  if not supported(distill=distill, teacher=teacher, detach=detach, selection=selection):
+    raise ValueError('mtp_d_loss_fused supports teacher=main, detach=True, selection=threshold; got '
+                     f'teacher={teacher!r}, detach={detach}, selection={selection!r}: use losses.mtp_d_loss')
+  if kl not in losses.KL_DIRECTIONS or top_n_mode not in losses.TOP_N_MODES:
+    raise ValueError(f'unknown kl={kl!r} or top_n_mode={top_n_mode!r}')
+  num_heads = hidden_K1xBxTxD.shape[0] - 1
+  if len(beta) != num_heads:
+    raise ValueError(f'beta has {len(beta)} values for {num_heads} MTP heads')
+  b, t, d = hidden_K1xBxTxD.shape[1:]
+  # Row j of predictor k: head k at position j-k, which predicts targets[j] like the main head at j.
+  x_K1xBxTxD = jnp.stack([_shift_right(hidden_K1xBxTxD[k], k) for k in range(num_heads + 1)])
+  mask_K1xBxT = jnp.stack([_shift_right(losses.target_mask(segment_ids_BxT, target_segment_ids_BxT, k), k,
+                                        fill=False) for k in range(num_heads + 1)]).astype(jnp.float32)
+  count_K1 = jnp.maximum(jnp.sum(mask_K1xBxT, axis=(1, 2)), 1.0)
+  ce_coef_K1 = jnp.concatenate([jnp.ones(1), jnp.full(num_heads, ce_weight / max(num_heads, 1))]) / count_K1
+  kl_coef_K = beta_scale * jnp.asarray(beta, jnp.float32) / count_K1[1:]
+  rows = b * t
+  chunk_rows = min(chunk_rows, rows)
+  pad = -rows % chunk_rows
+  x_K1xRxD = jnp.pad(x_K1xBxTxD.reshape(num_heads + 1, rows, d), ((0, 0), (0, pad), (0, 0)))
+  targets_R = jnp.pad(targets_BxT.reshape(rows), (0, pad))
+  mask_K1xR = jnp.pad(mask_K1xBxT.reshape(num_heads + 1, rows), ((0, 0), (0, pad)))
+  cfg = (top_n, top_n_mode, kl, renormalize, tau, distill)
+  loss, sums = _fused(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg, chunk_rows)
+  sums = lax.stop_gradient(sums)
+  metrics = {'xent': sums['ce'][0] / count_K1[0], 'loss': loss}
+  for k in range(1, num_heads + 1):
+    metrics[f'mtp/k{k}/xent'] = sums['ce'][k] / count_K1[k]
+    metrics[f'mtp/k{k}/agree'] = sums['agree'][k] / count_K1[k]
+    if distill:
+      metrics[f'distill/k{k}/kl'] = sums['kl'][k - 1] / count_K1[k]
+  return loss, metrics
