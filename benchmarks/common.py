@@ -4,10 +4,14 @@ Every benchmark runs the library's own train step (`train.abstract_train_state`,
 `make_steps`) on a one-device mesh with synthetic batches, so what is timed is what trains.
 """
 
+import argparse
 import copy
+import datetime
 import json
 import os
+import shlex
 import statistics
+import sys
 import time
 
 import jax
@@ -114,14 +118,20 @@ def matmul_flops_per_s(n: int = 2048, reps: int = 5) -> float:
   return 2 * n ** 3 / best
 
 
-def write_results(name: str, results: dict) -> str:
-  """Print `key=value` for the scalar results and write benchmarks/results/<name>.json."""
+def add_results_dir_arg(p: argparse.ArgumentParser) -> None:
+  p.add_argument('--results_dir', default=RESULTS_DIR, help='where <name>.json goes')
+
+
+def write_results(name: str, results: dict, results_dir: str = RESULTS_DIR) -> str:
+  """Print `key=value` for the scalar results and write <results_dir>/<name>.json with the date and command."""
   for k, v in results.items():
     if isinstance(v, (int, float, str, bool)):
       print(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}')
-  os.makedirs(RESULTS_DIR, exist_ok=True)
-  path = os.path.join(RESULTS_DIR, f'{name}.json')
-  meta = {'device': str(jax.devices()[0]), 'jax': jax.__version__, 'cpu_count': os.cpu_count(),
+  os.makedirs(results_dir, exist_ok=True)
+  path = os.path.join(results_dir, f'{name}.json')
+  meta = {'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+          'command': shlex.join(sys.orig_argv),
+          'device': str(jax.devices()[0]), 'jax': jax.__version__, 'cpu_count': os.cpu_count(),
           'selections': losses.SELECTIONS}
   with open(path, 'w') as f:
     json.dump(evaluate.json_ready({**results, 'meta': meta}), f, indent=2)

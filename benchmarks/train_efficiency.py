@@ -8,9 +8,10 @@ unembedding counts once per predictor (main head + K heads), plus attention scor
 (12 · B · T² · H · E per block: no causal skipping, as the model computes the full T×S). XLA's
 own count (`compiled.cost_analysis()['flops']`) is reported alongside. The ceiling is the best
 f32 FLOP/s of an n³ matmul measured in the same process, before and after the steps.
-`flops_fraction` = model FLOPs / median step time / ceiling, for the library's step as wired now;
-`fused/flops_fraction` for the fused loss (fused_loss.mtp_d_loss_fused from hidden states,
-train.loss_chunk_rows), timed in alternation with it. Writes
+`flops_fraction` = model FLOPs / median step time / ceiling, for the step with the loss on full
+logits (train.loss_chunk_rows=0); `fused/flops_fraction` for the library's default, the fused loss
+from hidden states in row chunks (fused_loss.mtp_d_loss_fused, train.loss_chunk_rows=256), timed
+in alternation with it. Writes
 benchmarks/results/train_efficiency.json.
 """
 
@@ -24,6 +25,7 @@ from benchmarks import common
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--config', default='v32k', help="'v32k' (d=512, V=32k) or 'tiny' (a smoke run)")
   p.add_argument('--heads', type=int, default=4, help='K')
   p.add_argument('--distill', type=int, default=1, help='1: MTP-D, 0: CE-only MTP')
   p.add_argument('--reps', type=int, default=3, help='timed steps after one warm-up step')
@@ -31,6 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--seq_len', type=int, default=1024)
   p.add_argument('--matmul_n', type=int, default=2048, help='size of the reference matmul')
   p.add_argument('--fused_chunk_rows', type=int, default=256, help='0: skip the fused loss')
+  common.add_results_dir_arg(p)
   return p.parse_args(argv)
 
 
@@ -46,7 +49,7 @@ def model_flops(config) -> float:
 
 
 def main(args: argparse.Namespace) -> dict:
-  config = common.get_config('v32k', num_heads=args.heads, distill=bool(args.distill),
+  config = common.get_config(args.config, num_heads=args.heads, distill=bool(args.distill),
                              batch_size=args.batch_size, seq_len=args.seq_len)
   ceiling_before = common.matmul_flops_per_s(args.matmul_n)
   mesh = common.one_device_mesh()
@@ -62,7 +65,7 @@ def main(args: argparse.Namespace) -> dict:
   results = {
       'flops_method': 'analytic: 6*matmul_params_per_token*tokens (unembedding once per predictor) '
                       '+ 12*B*T^2*H*E per block; XLA cost_analysis flops reported as xla_flops',
-      'heads': args.heads, 'distill': bool(args.distill), 'batch_size': args.batch_size,
+      'config': args.config, 'heads': args.heads, 'distill': bool(args.distill), 'batch_size': args.batch_size,
       'seq_len': args.seq_len, 'times_s': times, 'model_flops': flops, 'xla_flops': xla_flops,
       'matmul_flops_per_s': ceiling, 'matmul_flops_per_s_before_after': [ceiling_before, ceiling_after],
   }
@@ -73,7 +76,7 @@ def main(args: argparse.Namespace) -> dict:
     results[f'{prefix}model_flops_per_s'] = flops / step_s
     results[f'{prefix}flops_fraction'] = flops / step_s / ceiling
     results[f'{prefix}xla_flops_fraction'] = xla_flops[name] / step_s / ceiling
-  common.write_results('train_efficiency', results)
+  common.write_results('train_efficiency', results, args.results_dir)
   return results
 
 

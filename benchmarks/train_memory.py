@@ -7,8 +7,8 @@ analysis of the compiled program gives its bytes. `mem_k4_over_k0` uses temp + a
 bytes, as the issue defines it; since the step donates its state, the output aliases the
 argument, so `..._no_alias` also reports temp + argument + output - alias (the live peak bound).
 `..._fused` measures the same steps with the fused loss (train.loss_chunk_rows: the
-loss from hidden states in row chunks, fused_loss.mtp_d_loss_fused), which the library's
-train.py does not use yet. Prints name=value lines, writes benchmarks/results/train_memory.json.
+loss from hidden states in row chunks, fused_loss.mtp_d_loss_fused), the library's default
+(train.loss_chunk_rows=256); the unsuffixed figures are the loss on full logits (loss_chunk_rows=0). Prints name=value lines, writes benchmarks/results/train_memory.json.
 """
 
 import argparse
@@ -20,19 +20,21 @@ from benchmarks import common
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--config', default='v32k', help="'v32k' (d=512, V=32k) or 'tiny' (a smoke run)")
   p.add_argument('--heads', type=int, default=4, help='K of the numerator step')
   p.add_argument('--batch_size', type=int, default=2)
   p.add_argument('--seq_len', type=int, default=1024)
   p.add_argument('--fused_chunk_rows', type=int, default=256, help='0: skip the fused loss')
   p.add_argument('--remat', type=int, default=0, help='1: model.remat (recompute blocks in the backward)')
+  common.add_results_dir_arg(p)
   return p.parse_args(argv)
 
 
-def step_memory(num_heads: int, batch_size: int, seq_len: int, fused_chunk_rows: int = 0,
+def step_memory(name: str, num_heads: int, batch_size: int, seq_len: int, fused_chunk_rows: int = 0,
                 remat: bool = False) -> dict:
   """Byte counts of XLA's memory analysis of one compiled train step."""
   mesh = common.one_device_mesh()
-  config = common.get_config('v32k', num_heads=num_heads, batch_size=batch_size, seq_len=seq_len)
+  config = common.get_config(name, num_heads=num_heads, batch_size=batch_size, seq_len=seq_len)
   config.model.remat = remat
   with jax.set_mesh(mesh):
     m = common.Step(config, mesh, init=False, fused_chunk_rows=fused_chunk_rows).compiled().memory_analysis()
@@ -45,12 +47,12 @@ def step_memory(num_heads: int, batch_size: int, seq_len: int, fused_chunk_rows:
 def main(args: argparse.Namespace) -> dict:
   k, c = args.heads, args.fused_chunk_rows
   r = bool(args.remat)
-  mem = {f'k{k}': step_memory(k, args.batch_size, args.seq_len, 0, r),
-         'k0': step_memory(0, args.batch_size, args.seq_len, 0, r)}
+  mem = {f'k{k}': step_memory(args.config, k, args.batch_size, args.seq_len, 0, r),
+         'k0': step_memory(args.config, 0, args.batch_size, args.seq_len, 0, r)}
   if c:
-    mem[f'k{k}_fused'] = step_memory(k, args.batch_size, args.seq_len, c, r)
-    mem['k0_fused'] = step_memory(0, args.batch_size, args.seq_len, c, r)
-  results = {'method': 'XLA compiled.memory_analysis(): temp + argument + output bytes of the jitted train step',
+    mem[f'k{k}_fused'] = step_memory(args.config, k, args.batch_size, args.seq_len, c, r)
+    mem['k0_fused'] = step_memory(args.config, 0, args.batch_size, args.seq_len, c, r)
+  results = {'config': args.config, 'method': 'XLA compiled.memory_analysis(): temp + argument + output bytes of the jitted train step',
              'batch_size': args.batch_size, 'seq_len': args.seq_len, 'remat': r, 'bytes': mem}
   for name, m in mem.items():
     results[f'{name}_total_gib'] = m['total'] / 2 ** 30
@@ -61,7 +63,7 @@ def main(args: argparse.Namespace) -> dict:
     results['fused_chunk_rows'] = c
     results[f'mem_k{k}_over_k0_fused'] = mem[f'k{k}_fused']['total'] / mem['k0_fused']['total']
     results[f'mem_k{k}_fused_over_k0'] = mem[f'k{k}_fused']['total'] / mem['k0']['total']
-  common.write_results('train_memory', results)
+  common.write_results('train_memory', results, args.results_dir)
   return results
 
 

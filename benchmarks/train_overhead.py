@@ -32,6 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--seq_len', type=int, default=0, help='v32k sequence length (0: 1024)')
   p.add_argument('--fused_chunk_rows', type=int, default=256, help='0: skip the fused loss')
   p.add_argument('--name', default='train_overhead', help='results file name')
+  common.add_results_dir_arg(p)
   return p.parse_args(argv)
 
 
@@ -78,7 +79,7 @@ def main(args: argparse.Namespace) -> dict:
       # The headline name: the default selection (the first listed).
       results[f'{name}/k{k}/mtpd_over_mtp'] = r[f'mtpd_{selections[0]}_over_mtp']
       print(f'{name}/k{k}/mtpd_over_mtp={results[f"{name}/k{k}/mtpd_over_mtp"]:.4g}', flush=True)
-  common.write_results(args.name, results)
+  common.write_results(args.name, results, args.results_dir)
   return results
 
 
