@@ -5,13 +5,30 @@ mid-save leaves the previous checkpoint intact; `max_to_keep` only prunes after 
 has been finalised.
 """
 
+import errno
 import logging
+import math
 import os
 import shutil
 import time
 
 import grain
+import jax
 import orbax.checkpoint as ocp
+
+
+def state_bytes(state) -> int:
+  """Bytes of every array in `state` (concrete or abstract), summed over the global shapes."""
+  return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state) if hasattr(x, 'dtype'))
+
+
+def _disk_full(e: BaseException | None) -> bool:
+  """Whether `e` or an exception it wraps reports a full disk (tensorstore raises its own types)."""
+  while e is not None:
+    if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or 'No space left' in str(e):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
 
 
 class Checkpointer:
@@ -35,12 +52,31 @@ class Checkpointer:
   def should_save(self, step: int) -> bool:
     return self.every_steps > 0 and step % self.every_steps == 0
 
+  def check_free_space(self, abstract_state) -> None:
+    """Refuse to start when the disk cannot hold the checkpoints still to come (one in flight
+    beside the kept ones); raises OSError(ENOSPC) naming both sizes."""
+    need = state_bytes(abstract_state) * max(1, self.max_to_keep + 1 - len(self.all_steps()))
+    free = shutil.disk_usage(self.directory).free
+    if free < need:
+      raise OSError(errno.ENOSPC, f'{self.directory} has {free / 2**20:.1f} MiB free, but the checkpoints of '
+                                  f'this run need about {need / 2**20:.1f} MiB; free space or use another --workdir')
+
   def save(self, step: int, state, iterator=None) -> None:
+    """Save and wait until the checkpoint is final; a full disk raises OSError(ENOSPC), and the
+    newest earlier checkpoint stays intact (orbax renames a step into place only when complete)."""
     items = {'state': ocp.args.StandardSave(state)}
     if iterator is not None:
       items['data'] = grain.checkpoint.CheckpointSave(iterator)
-    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
-    self.manager.wait_until_finished()
+    try:
+      self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+      self.manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      if not _disk_full(e):
+        raise
+      kept = [s for s in self.all_steps() if s != step]
+      raise OSError(errno.ENOSPC, f'disk full while writing checkpoint {step} in {self.directory}; '
+                                  f'the newest complete checkpoint ({kept[-1] if kept else None}) is intact: '
+                                  'free space and rerun to resume') from e
 
   def restore(self, step: int, abstract_state, iterator=None):
     """The state at `step` (placed per the shardings in `abstract_state`); `iterator` is rewound in place."""

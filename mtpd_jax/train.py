@@ -220,6 +220,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
     train_it = recipe.make_data_iterator(config, 'train')
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'),
                                    every_steps=config.ckpt.every_steps, max_to_keep=config.ckpt.max_to_keep)
+    ckpt.check_free_space(abstract)
     state, start = _resume_or_init(config, workdir, ckpt, abstract, shardings, mesh, train_it)
     if jax.process_index() == 0:
       runtime.write_config_atomically(os.path.join(workdir, 'config.json'), config.to_json(indent=2))

@@ -152,3 +152,55 @@ def _final_state(workdir):
   state = ckpt.restore(ckpt.latest_step(), abstract)
   ckpt.close()
   return state
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 1 MiB tmpfs (needs mount rights, as root in a container has), unmounted afterwards."""
+  mnt = tmp_path / 'disk'
+  mnt.mkdir()
+  if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=1m', 'tmpfs', str(mnt)], capture_output=True).returncode:
+    pytest.skip('cannot mount a tmpfs here')
+  yield mnt
+  subprocess.run(['umount', str(mnt)], check=False)
+
+
+def test_a_disk_too_small_for_the_checkpoints_is_refused_before_any_work(small_disk):
+  (small_disk / 'notes.txt').write_text('keep me')
+  proc = subprocess.run([sys.executable, '-m', 'experiments.run', '--config=tiny', f'--workdir={small_disk}/run'],
+                        cwd=ROOT, env={**os.environ, 'JAX_NUM_CPU_DEVICES': '1'}, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and 'MiB free, but the checkpoints of this run need about' in lines[0], proc.stderr
+  assert (small_disk / 'notes.txt').read_text() == 'keep me'
+  assert not os.path.exists(small_disk / 'run' / 'config.json')
+
+
+def test_a_disk_filling_up_mid_save_keeps_the_previous_checkpoint_and_a_rerun_resumes(tmp_path, monkeypatch):
+  config = small_config(steps=8)  # checkpoints every 4 steps
+  workdir = str(tmp_path / 'run')
+  real_save = checkpoint.ocp.CheckpointManager.save
+
+  def save_until_full(self, step, *args, **kwargs):
+    if step > 4:  # what tensorstore raises around the OS error
+      raise ValueError('write failed') from OSError(28, 'No space left on device')
+    return real_save(self, step, *args, **kwargs)
+  monkeypatch.setattr(checkpoint.ocp.CheckpointManager, 'save', save_until_full)
+  with pytest.raises(OSError, match=r'disk full while writing checkpoint 8 .* newest complete checkpoint \(4\)'):
+    train.train_and_evaluate(config, workdir, progress=False)
+  assert _ckpt_steps(workdir) == [4]
+  monkeypatch.setattr(checkpoint.ocp.CheckpointManager, 'save', real_save)
+  state, _ = train.train_and_evaluate(config, workdir, progress=False)
+  assert int(state.step) == 8 and _steps_logged(workdir)[-1] == 8
+
+
+def test_free_space_need_counts_one_checkpoint_in_flight_beside_the_kept_ones(tmp_path, monkeypatch):
+  ckpt = checkpoint.Checkpointer(str(tmp_path / 'c'), every_steps=1, max_to_keep=2)
+  abstract = {'w': jax.ShapeDtypeStruct((1024, 256), np.float32)}  # 1 MiB
+  free = {'bytes': 3 * 2**20}
+  monkeypatch.setattr(checkpoint.shutil, 'disk_usage', lambda _: type('U', (), {'free': free['bytes']}))
+  ckpt.check_free_space(abstract)  # 3 MiB for 2 kept + 1 in flight
+  free['bytes'] -= 1
+  with pytest.raises(OSError, match='need about 3.0 MiB'):
+    ckpt.check_free_space(abstract)
