@@ -1,12 +1,14 @@
 """Warm starts and the trained looped extension: copies, frozen groups, stage resumption."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from conftest import small_config
-from mtpd_jax import looped, recipe, train
+from mtpd_jax import looped, recipe, runtime, train
 from mtpd_jax.model import MTPTransformer
 
 
@@ -52,3 +54,28 @@ def test_looped_stages_train_only_the_new_heads(tmp_path):
   again, _ = train.restore_model(str(tmp_path / 'heads_3'))
   np.testing.assert_array_equal(nnx.state(again, nnx.Param)['mtp_heads'][2]['proj'][...],
                                 p3['mtp_heads'][2]['proj'][...])
+
+
+@pytest.mark.reliability
+def test_an_interrupted_looped_stage_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
+  config = small_config(num_heads=1, steps=4)
+  config.looped.schedule, config.looped.stage_steps = (1, 2), 4
+  config.ckpt.every_steps = 100  # only the preemption and the final step save
+  looped.run_looped(config, str(tmp_path / 'straight'), progress=False)
+  calls = {'n': 0}
+
+  def preempt_at_stage_2_step_2(self):
+    calls['n'] += 1
+    self.signum = self.signum or (15 if calls['n'] == 6 else None)  # stage 1: calls 1-4
+    return self.signum is not None
+  monkeypatch.setattr(runtime.PreemptionGuard, 'requested', preempt_at_stage_2_step_2)
+  with pytest.raises(runtime.Preempted):
+    looped.run_looped(config, str(tmp_path / 'cut'), progress=False)
+  assert sorted(os.listdir(tmp_path / 'cut' / 'heads_2' / 'checkpoints')) == ['2']
+  monkeypatch.undo()
+  looped.run_looped(config, str(tmp_path / 'cut'), progress=False)
+  a, _ = train.restore_model(str(tmp_path / 'straight' / 'heads_2'))
+  b, _ = train.restore_model(str(tmp_path / 'cut' / 'heads_2'))
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(nnx.state(a, nnx.Param)),
+                          jax.tree.leaves(nnx.state(b, nnx.Param))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
