@@ -5,6 +5,8 @@ device count; the one-process reference and the two-process pair run side by sid
 """
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -105,3 +107,41 @@ def test_two_processes_train_and_checkpoint_like_one(tmp_path):
   restored = {'param' + jax.tree_util.keystr(path): np.asarray(x)
               for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
   _assert_same_params(restored, single)
+
+
+def _pair(tmp_path, tag: str, workdir, steps: int):
+  coordinator = f'127.0.0.1:{portpicker.pick_unused_port()}'
+  return [_start(tmp_path, f'{tag}{i}', '--mode=train', f'--out={workdir}.npz', f'--workdir={workdir}',
+                 f'--steps={steps}', '--local_devices=4', f'--coordinator={coordinator}', '--num_processes=2',
+                 f'--process_id={i}') for i in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.reliability
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpoint_and_a_rerun_resumes(tmp_path):
+  steps, multi, single = 40, tmp_path / 'multi', tmp_path / 'single'
+  procs = _pair(tmp_path, 'first', multi, steps)
+  metrics, deadline = multi / 'metrics.jsonl', time.monotonic() + TIMEOUT_S
+  try:  # SIGTERM to process 1 only, once a few steps are logged
+    while not (metrics.exists() and metrics.read_text().count('train/loss') >= 3):
+      assert time.monotonic() < deadline and all(p.poll() is None for _, p, _ in procs), 'pair did not start'
+      time.sleep(0.1)
+    procs[1][1].send_signal(signal.SIGTERM)
+    codes = [p.wait(timeout=TIMEOUT_S) for _, p, _ in procs]
+  finally:
+    _kill(procs)
+  assert codes == [128 + signal.SIGTERM] * 2, [log.read_text()[-2000:] for _, _, log in procs]
+  stopped = {re.search(r'after step (\d+); checkpoint saved', log.read_text()).group(1) for _, _, log in procs}
+  assert len(stopped) == 1, stopped  # both processes stopped after the same step...
+  saved = checkpoint.Checkpointer(os.path.join(multi, 'checkpoints'), every_steps=0, max_to_keep=2)
+  newest = saved.latest_step()
+  saved.close()
+  assert newest == int(stopped.pop()) and 3 <= newest < steps  # ...and saved it together
+  # The rerun resumes there; beside it, one process with 8 devices runs all the steps straight.
+  _wait_all(_pair(tmp_path, 'rerun', multi, steps) + [
+      _start(tmp_path, 'single', '--mode=train', f'--out={single}.npz', f'--workdir={single}',
+             f'--steps={steps}', '--local_devices=8')])
+  got, want = dict(np.load(f'{multi}.npz')), dict(np.load(f'{single}.npz'))
+  assert len(got['losses']) == len(want['losses']) == steps  # no step lost or logged twice
+  np.testing.assert_allclose(got['losses'], want['losses'], rtol=0, atol=1e-4)
+  _assert_same_params(got, want)

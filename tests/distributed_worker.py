@@ -2,6 +2,7 @@
 
   python tests/distributed_worker.py --mode=steps|train --out=OUT.npz --workdir=DIR --local_devices=8
   python tests/distributed_worker.py ... --local_devices=4 --coordinator=127.0.0.1:PORT --num_processes=2 --process_id=I
+  (--steps=N: mode train runs N steps; a SIGTERM checkpoints and exits 143, and a rerun resumes)
 
 `steps` runs NUM_STEPS train steps built from the library pieces; `train` runs `train_and_evaluate`
 with checkpoints in DIR. Process 0 writes the per-step losses, the final eval loss and the final
@@ -27,6 +28,7 @@ def parse_args(argv):
   p.add_argument('--coordinator')
   p.add_argument('--num_processes', type=int, default=1)
   p.add_argument('--process_id', type=int, default=0)
+  p.add_argument('--steps', type=int, default=NUM_STEPS, help='train steps (mode train)')
   return p.parse_args(argv)
 
 
@@ -43,9 +45,9 @@ from mtpd_jax import recipe, sharding, train
 from tests.conftest import small_config
 
 
-def worker_config():
+def worker_config(steps: int = NUM_STEPS):
   """The tiny config on a (4, 2) fsdp x model mesh, logging every step, checkpointing mid-run."""
-  c = small_config(steps=NUM_STEPS)
+  c = small_config(steps=steps)
   c.mesh.shape, c.mesh.axes = (4, 2), ('fsdp', 'model')
   # Adam's first steps are ±lr for any |g| >> eps, which turns reduction-order noise (gloo vs
   # in-process all-reduce) in near-zero gradients into lr-sized jumps; see train_test.py.
@@ -92,7 +94,7 @@ def main(args):
   if args.coordinator:
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                initialization_timeout=60)
-  config = worker_config()
+  config = worker_config(args.steps)
   out = run_steps(config) if args.mode == 'steps' else run_train(config, args.workdir)
   if jax.process_index() == 0:
     np.savez(args.out, process_count=jax.process_count(), device_count=jax.device_count(),
@@ -103,8 +105,12 @@ def main(args):
 
 
 if __name__ == '__main__':
+  from mtpd_jax.runtime import Preempted
   try:
     main(ARGS)
+  except Preempted as e:  # checkpointed: the usual 128+signal status, as experiments/run.py exits
+    print(e, flush=True)
+    os._exit(128 + e.signum)
   except BaseException:  # noqa: BLE001  (exit now: jax.distributed's exit-time shutdown waits for the peer)
     traceback.print_exc()
     sys.stdout.flush()
