@@ -5,11 +5,12 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-$(BIN)/.installed: requirements.txt requirements-data.txt
+$(BIN)/.installed: requirements.txt requirements-data.txt requirements-hf.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps -r requirements-data.txt
+	$(BIN)/pip install -q -r requirements-hf.txt
 	touch $@
 
 .PHONY: run test test-fast

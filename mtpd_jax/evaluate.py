@@ -125,7 +125,7 @@ def _teacher_forced(model: MTPTransformer, prompts, continuations, draft_depth: 
 
 def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max_new_tokens: int,
                         batch_size: int = 8, stop_tokens=(), pad_multiple: int = 64,
-                        repeats: int = 3, timing_steps: int = 256) -> dict:
+                        repeats: int = 3, timing_steps: int = 256, timing_repeats: int = 5) -> dict:
   """Greedy speculative vs plain decoding of one prompt set: acceptance, speedups, losslessness."""
   stop = tuple(int(t) for t in stop_tokens)
   runs = timed_decode(model, prompts, {'plain': dict(max_new_tokens=max_new_tokens, stop_tokens=stop),
@@ -138,7 +138,7 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max
   costs = step_seconds(model, next(_batches(prompts, batch_size))[1],
                        {'plain': decode.DecodeOptions(max_new_tokens, 0, stop_tokens=stop),
                         'spec': decode.DecodeOptions(max_new_tokens, draft_depth, stop_tokens=stop)},
-                       pad_multiple=pad_multiple, num_steps=timing_steps)
+                       pad_multiple=pad_multiple, num_steps=timing_steps, repeats=timing_repeats)
   plain_step, spec_step = costs['plain'], costs['spec']
   tf = _teacher_forced(model, prompts, plain.tokens, draft_depth)
   plain_tps, spec_tps = plain_tokens / plain_s, spec_tokens / spec_s

@@ -70,8 +70,9 @@ def run_point(config: ml_collections.ConfigDict, workdir: str, *, root: str = 'r
   return summary
 
 
-def evaluate_workdir(workdir: str, draft_depth: int | None = None) -> dict:
-  """Speculative decoding of the workdir's model on its config's prompt sets; writes eval.json/.md/.png."""
+def evaluate_workdir(workdir: str, draft_depth: int | None = None, *, write: bool = True) -> dict:
+  """Speculative decoding of the workdir's model on its config's prompt sets; writes eval.json/.md/.png
+  (unless `write` is False, e.g. for another draft depth than the run's own report)."""
   model, config = train.restore_model(workdir)
   depth = draft_depth or config.eval.draft_depth or config.mtp.num_heads
   it = recipe.make_data_iterator(config, 'eval')
@@ -80,13 +81,19 @@ def evaluate_workdir(workdir: str, draft_depth: int | None = None) -> dict:
   if depth:
     e = config.eval
     sets = recipe.prompt_sets(config)
+    # The embedded tokenizer's stop tokens: EOS, and for an instruct model also its end of turn.
+    stop = (recipe.embedded_data(config).tokenizer().stop_ids if config.data.source == 'embedded'
+            else (config.data.eos_id,))
     results = evaluate.evaluate_prompt_sets(model, sets, draft_depth=depth, max_new_tokens=e.max_new_tokens,
-                                            batch_size=e.batch_size, stop_tokens=(config.data.eos_id,))
+                                            batch_size=e.batch_size, stop_tokens=stop,
+                                            repeats=e.repeats, timing_steps=e.timing_steps,
+                                            timing_repeats=e.timing_repeats)
     for name, prompts in sets.items():  # the main head's own quality on each set (Table 2's left half)
       main = evaluate.heldout_metrics(model, evaluate.prompt_batches(prompts, e.batch_size))
       results[name].update(main_accuracy=main['accuracy'], main_loss=main['loss'])
     print(evaluate.markdown_table(results), flush=True)
-  evaluate.write_report(results, workdir, heldout)
+  if write:
+    evaluate.write_report(results, workdir, heldout)
   return {'prompt_sets': results, 'heldout': heldout}
 
 

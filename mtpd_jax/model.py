@@ -2,13 +2,15 @@
 
 Dimension legend (suffixes, einsum letters, logical axes): B batch, T query positions, S key
 positions, D model width, H attention heads, G kv heads, R query heads per kv head (H / G),
-E head width, F MLP width, V vocab, L layers, K MTP heads.
+E head width, F MLP width, V vocab, L layers, K MTP heads (moe.py adds X experts, A chosen per token).
 
 Alignment: the main head at position i predicts token i+1; MTP head k (1-based) at position i
 reads the hidden state h^{k-1}_i and the embedding of token i+k, and predicts token i+k+1.
 
 Every method is a pure function of its arguments (KV caches are passed in and returned), so the
 same module serves training (`__call__`) and cached decoding (`trunk`, `mtp_head`, `logits`).
+With `moe.num_experts > 0` every block's feed-forward (trunk and MTP heads) is a Mixture of
+Experts (moe.py); `__call__` applies its capacity limit, `trunk` and `mtp_head` are dropless.
 """
 
 import dataclasses
@@ -17,6 +19,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from mtpd_jax.moe import MoE, MoEConfig, summarize
 
 Cache = dict[str, jax.Array]  # one attention layer's {'k': BxSxGxE, 'v': BxSxGxE}
 
@@ -40,8 +44,11 @@ class ModelConfig:
   max_seq_len: int = 2048
   dtype: str = 'float32'          # compute dtype; params stay f32, softmax and losses f32
   remat: bool = False             # rematerialise each block in the backward pass
+  moe: MoEConfig = MoEConfig()    # feed-forward experts; the default (0 experts) is the dense MLP
 
   def __post_init__(self):
+    if self.moe.num_experts and not self.moe.expert_dim:  # 0 = experts as wide as the dense MLP
+      object.__setattr__(self, 'moe', dataclasses.replace(self.moe, expert_dim=self.mlp_dim))
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f'num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}')
     if self.head_dim % 2:
@@ -157,10 +164,10 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """SwiGLU feed-forward."""
+  """SwiGLU feed-forward of width `width` (default cfg.mlp_dim)."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    d, f = cfg.dim, cfg.mlp_dim
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
+    d, f = cfg.dim, width or cfg.mlp_dim
     self.w_gate = _param(rngs, _dense_init, (d, f), ('embed', 'mlp'))
     self.w_up = _param(rngs, _dense_init, (d, f), ('embed', 'mlp'))
     self.w_down = _param(rngs, _dense_init, (f, d), ('mlp', 'embed'))
@@ -173,24 +180,38 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-  """Pre-norm transformer block: x + Attn(RMSNorm(x)), then + MLP(RMSNorm(.))."""
+  """Pre-norm transformer block: x + Attn(RMSNorm(x)), then + FFN(RMSNorm(.)), FFN a SwiGLU MLP or
+  routed experts (plus shared experts, one SwiGLU of width s·F)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, rngs)
     self.attn = Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, rngs)
-    self.mlp = MLP(cfg, rngs)
+    m = cfg.moe
+    if m.num_experts:
+      self.moe = MoE(cfg.dim, m, rngs)
+      if m.num_shared_experts:
+        self.shared_mlp = MLP(cfg, rngs, width=m.num_shared_experts * m.expert_dim)
+    else:
+      self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None):
+  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None, *, dropless: bool = True):
+    """(x, cache, routing stats or None); `dropless=False` applies the experts' capacity limit."""
     attn_BxTxD, cache = self.attn(self.attn_norm(x_BxTxD), positions_BxT, mask_BxTxS, cache)
     x_BxTxD = x_BxTxD + attn_BxTxD
-    return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), cache
+    h_BxTxD = self.mlp_norm(x_BxTxD)
+    if not hasattr(self, 'moe'):
+      return x_BxTxD + self.mlp(h_BxTxD), cache, None
+    ffn_BxTxD, stats = self.moe(h_BxTxD, dropless=dropless)
+    if hasattr(self, 'shared_mlp'):
+      ffn_BxTxD = ffn_BxTxD + self.shared_mlp(h_BxTxD)
+    return x_BxTxD + ffn_BxTxD, cache, stats
 
 
-def _run_block(block: Block, remat: bool, *args):
+def _run_block(block: Block, remat: bool, *args, dropless: bool = True):
   if remat:
-    return nnx.remat(lambda blk, *a: blk(*a))(block, *args)
-  return block(*args)
+    return nnx.remat(lambda blk, *a: blk(*a, dropless=dropless))(block, *args)
+  return block(*args, dropless=dropless)
 
 
 class MTPHead(nnx.Module):
@@ -203,17 +224,20 @@ class MTPHead(nnx.Module):
     self.block = Block(cfg, rngs)
     self.remat = cfg.remat
 
-  def __call__(self, h_prev_BxTxD, emb_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None):
+  def __call__(self, h_prev_BxTxD, emb_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None, *,
+               dropless: bool = True):
+    """(h^k, cache, routing stats or None)."""
     dt = h_prev_BxTxD.dtype
     x_BxTx2D = jnp.concatenate([self.hidden_norm(h_prev_BxTxD), self.embed_norm(emb_BxTxD)], axis=-1)
     x_BxTxD = jnp.einsum('btc,cd->btd', x_BxTx2D, self.proj[...].astype(dt))
-    return _run_block(self.block, self.remat, x_BxTxD, positions_BxT, mask_BxTxS, cache)
+    return _run_block(self.block, self.remat, x_BxTxD, positions_BxT, mask_BxTxS, cache, dropless=dropless)
 
 
 class ModelOutput(NamedTuple):
   logits_BxTxV: jax.Array             # main head, f32; position i predicts token i+1
   mtp_logits_KxBxTxV: jax.Array       # head k at i predicts token i+k+1; the last k positions are padding
   hidden_K1xBxTxD: jax.Array          # h^0 (trunk, before the final norm) and h^1..h^K
+  aux: dict | None = None             # MoE: moe.summarize's loss, metrics and router-bias steps
 
 
 def shift_left(x_BxT, k: int, fill: Any = 0):
@@ -240,14 +264,19 @@ class MTPTransformer(nnx.Module):
     return jnp.take(self.embed[...], tokens_BxT, axis=0).astype(jnp.dtype(self.cfg.dtype))
 
   def trunk(self, tokens_BxT, positions_BxT, mask_BxTxS, caches: list[Cache] | None = None):
-    """Hidden states h^0 (before the final norm) and the updated per-layer caches."""
+    """Hidden states h^0 (before the final norm) and the updated per-layer caches (experts dropless)."""
+    x_BxTxD, new_caches, _ = self._trunk(tokens_BxT, positions_BxT, mask_BxTxS, caches, dropless=True)
+    return x_BxTxD, new_caches
+
+  def _trunk(self, tokens_BxT, positions_BxT, mask_BxTxS, caches, *, dropless: bool):
     x_BxTxD = self.embed_tokens(tokens_BxT)
-    new_caches = []
+    new_caches, stats = [], {}
     for layer, block in enumerate(self.blocks):
       cache = None if caches is None else caches[layer]
-      x_BxTxD, cache = _run_block(block, self.cfg.remat, x_BxTxD, positions_BxT, mask_BxTxS, cache)
+      x_BxTxD, cache, stats[f'blocks/{layer}/moe/router_bias'] = _run_block(
+          block, self.cfg.remat, x_BxTxD, positions_BxT, mask_BxTxS, cache, dropless=dropless)
       new_caches.append(cache)
-    return x_BxTxD, (None if caches is None else new_caches)
+    return x_BxTxD, (None if caches is None else new_caches), stats
 
   def logits(self, h_BxTxD):
     """Shared output head (final RMSNorm + unembedding), returned in f32."""
@@ -258,32 +287,48 @@ class MTPTransformer(nnx.Module):
 
   def mtp_head(self, k: int, h_prev_BxTxD, next_tokens_BxT, positions_BxT, mask_BxTxS,
                cache: Cache | None = None):
-    """Head k (1-based) given h^{k-1} and the token k steps ahead of each position."""
-    return self.mtp_heads[k - 1](h_prev_BxTxD, self.embed_tokens(next_tokens_BxT), positions_BxT,
-                                 mask_BxTxS, cache)
+    """Head k (1-based) given h^{k-1} and the token k steps ahead of each position (experts dropless)."""
+    h_BxTxD, cache, _ = self.mtp_heads[k - 1](h_prev_BxTxD, self.embed_tokens(next_tokens_BxT),
+                                              positions_BxT, mask_BxTxS, cache)
+    return h_BxTxD, cache
 
   def __call__(self, tokens_BxT, segment_ids_BxT=None, *, isolate_trunk: bool = False) -> ModelOutput:
-    """Teacher-forced forward of the main head and all K heads over one (packed) sequence batch."""
+    """Teacher-forced forward of the main head and all K heads over one (packed) sequence batch.
+
+    This is the training forward: MoE layers apply their capacity limit (`moe.capacity_factor`).
+    """
     b, t = tokens_BxT.shape
     positions_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
     mask_BxTxS = attention_mask(positions_BxT, segment_ids_BxT)
-    h_BxTxD, _ = self.trunk(tokens_BxT, positions_BxT, mask_BxTxS)
+    h_BxTxD, _, stats = self._trunk(tokens_BxT, positions_BxT, mask_BxTxS, None, dropless=False)
     logits_BxTxV = self.logits(h_BxTxD)
     hiddens, mtp_logits = [h_BxTxD], []
     # isolate_trunk: the MTP losses then train the heads but never move the trunk's hidden state.
     h_prev_BxTxD = jax.lax.stop_gradient(h_BxTxD) if isolate_trunk else h_BxTxD
     for k in range(1, self.cfg.num_mtp_heads + 1):
-      h_prev_BxTxD, _ = self.mtp_head(k, h_prev_BxTxD, shift_left(tokens_BxT, k), positions_BxT, mask_BxTxS)
+      h_prev_BxTxD, _, stats[f'mtp_heads/{k - 1}/block/moe/router_bias'] = self.mtp_heads[k - 1](
+          h_prev_BxTxD, self.embed_tokens(shift_left(tokens_BxT, k)), positions_BxT, mask_BxTxS, dropless=False)
       hiddens.append(h_prev_BxTxD)
       mtp_logits.append(self.logits(h_prev_BxTxD))
     mtp_logits_KxBxTxV = (jnp.stack(mtp_logits) if mtp_logits
                           else jnp.zeros((0, b, t, self.cfg.vocab_size), jnp.float32))
-    return ModelOutput(logits_BxTxV, mtp_logits_KxBxTxV, jnp.stack(hiddens))
+    aux = summarize(stats, self.cfg.moe) if self.cfg.moe.num_experts else None
+    return ModelOutput(logits_BxTxV, mtp_logits_KxBxTxV, jnp.stack(hiddens), aux)
 
 
-def param_count(cfg: ModelConfig) -> int:
-  """Closed-form parameter count, checked against the built model in the tests."""
+def param_count(cfg: ModelConfig, *, active: bool = False) -> int:
+  """Closed-form parameter count, checked against the built model in the tests.
+
+  `active`: per token, counting only the top-k routed experts of each MoE layer (the embedding,
+  router and shared experts count in full); equal to the total for a dense model.
+  """
   d, h, g, e, f, v = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
-  block = 2 * d + d * h * e + 2 * d * g * e + h * e * d + 3 * d * f + (2 * e if cfg.qk_norm else 0)
+  m = cfg.moe
+  if m.num_experts:  # router + its bias, routed experts, shared experts
+    routed = m.top_k if active else m.num_experts
+    ffn = d * m.num_experts + m.num_experts + 3 * d * m.expert_dim * (routed + m.num_shared_experts)
+  else:
+    ffn = 3 * d * f
+  block = 2 * d + d * h * e + 2 * d * g * e + h * e * d + ffn + (2 * e if cfg.qk_norm else 0)
   head = 2 * d + 2 * d * d + block
   return v * d * (1 if cfg.tie_embeddings else 2) + cfg.num_layers * block + d + cfg.num_mtp_heads * head

@@ -15,6 +15,7 @@ from flax import nnx
 
 from mtpd_jax import data, evaluate, losses, sharding
 from mtpd_jax.model import ModelConfig
+from mtpd_jax.moe import MoEConfig
 
 BETA_SCHEDULES = ('constant', 'exp_decay', 'linear_decay', 'linear_increase')
 
@@ -27,7 +28,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              'distill.selection': (d.selection, losses.SELECTIONS),
              'distill.beta_schedule': (d.beta_schedule, BETA_SCHEDULES),
              'train.on_nan': (config.train.on_nan, ('stop', 'skip')),
-             'train.init_heads': (config.train.init_heads, ('fresh', 'loop')),
+             'train.init_heads': (config.train.init_heads, ('fresh', 'loop', 'trunk')),
              'train.resume': (config.train.resume, ('auto', 'never')),
              'model.dtype': (m.dtype, ('float32', 'bfloat16'))}
   for name, (value, allowed) in choices.items():
@@ -58,6 +59,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if not os.path.isfile(config.data.train_path):
       raise FileNotFoundError(f'data.train_path={config.data.train_path!r} is not a file')
     make_source(config, 'train')  # reads the header and checks every id against the vocabulary
+  _validate_gguf(config)
   for entry in config.eval.jsonl:
     path = entry.partition('=')[2].partition(':')[0]
     if '=' not in entry or not os.path.isfile(path):
@@ -71,11 +73,31 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   trainable_labels({}, config.train.trainable)  # raises on a bad value
   if isinstance(config.train.trainable, (list, tuple)) and not all(1 <= h <= k for h in config.train.trainable):
     raise ValueError(f'train.trainable={config.train.trainable!r}: head indices must lie in 1..{k}')
-  model_config(config)  # ModelConfig checks its own shape constraints
+  moe = model_config(config).moe  # ModelConfig and MoEConfig check their own shape constraints
+  if moe.num_experts and moe.group_size and config.data.seq_len % moe.group_size:
+    raise ValueError(f'model.moe.group_size={moe.group_size} does not divide data.seq_len={config.data.seq_len}')
+
+
+def _validate_gguf(config: ml_collections.ConfigDict) -> None:
+  """A GGUF `train.init_from` must be a readable llama checkpoint of this model's shape; likewise the tokenizer."""
+  from mtpd_jax import gguf_llama
+  init_from, tok = config.train.init_from, config.data.tokenizer
+  if gguf_llama.is_gguf(init_from):
+    gguf_llama.check_model_config(config.model.to_dict(), init_from)
+  elif init_from and config.train.init_heads == 'trunk':
+    raise ValueError(f"train.init_heads='trunk' needs a GGUF train.init_from, not {init_from!r}")
+  if tok != 'bpe':
+    if not gguf_llama.is_gguf(tok):
+      raise ValueError(f"data.tokenizer={tok!r} is not 'bpe', 'smollm2' or a .gguf path")
+    if gguf_llama.load_tokenizer(tok).vocab_size > config.model.vocab_size:
+      raise ValueError(f'data.tokenizer={tok!r} has {gguf_llama.load_tokenizer(tok).vocab_size} tokens, '
+                       f'more than model.vocab_size={config.model.vocab_size}')
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-  return ModelConfig(**config.model.to_dict(), num_mtp_heads=config.mtp.num_heads)
+  fields = config.model.to_dict()
+  moe = fields.pop('moe', {})  # workdirs saved before MoE existed have no model.moe
+  return ModelConfig(**fields, moe=MoEConfig(**moe), num_mtp_heads=config.mtp.num_heads)
 
 
 def resolve_beta(config: ml_collections.ConfigDict) -> tuple[float, ...]:
@@ -144,7 +166,8 @@ def embedded_data(config: ml_collections.ConfigDict):
   from mtpd_jax import corpus
   d = config.data
   return corpus.prepare_embedded(d.cache_dir or None, vocab_size=config.model.vocab_size,
-                                 max_chars=d.embedded_chars, code_fraction=d.code_fraction)
+                                 max_chars=d.embedded_chars, code_fraction=d.code_fraction,
+                                 tokenizer=d.tokenizer)
 
 
 def make_source(config: ml_collections.ConfigDict, split: str):

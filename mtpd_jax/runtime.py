@@ -91,16 +91,27 @@ def _get(tree: dict, dotted: str):
   return tree
 
 
+def with_defaults(saved: dict, defaults: dict) -> dict:
+  """`saved` with every key it lacks taken from `defaults`, recursively (configs of older versions)."""
+  out = dict(defaults)
+  for k, v in saved.items():
+    out[k] = with_defaults(v, defaults[k]) if isinstance(v, dict) and isinstance(defaults.get(k), dict) else v
+  return out
+
+
+def _flatten(x, prefix: str) -> dict:
+  if not isinstance(x, dict):
+    return {prefix: x}
+  return {k: v for key, value in x.items() for k, v in _flatten(value, f'{prefix}.{key}').items()}
+
+
 def state_mismatch(saved: dict, current: dict) -> list[str]:
   """'field: saved -> current' for every state-shaping field on which two configs differ."""
   diffs = []
   for field in STATE_SHAPING_FIELDS:
-    a, b = _get(saved, field), _get(current, field)
-    if isinstance(a, dict) and isinstance(b, dict):
-      diffs += [f'{field}.{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in sorted(set(a) | set(b))
-                if json.dumps(a.get(k)) != json.dumps(b.get(k))]
-    elif json.dumps(a) != json.dumps(b):
-      diffs.append(f'{field}: {a!r} -> {b!r}')
+    a, b = _flatten(_get(saved, field), field), _flatten(_get(current, field), field)
+    diffs += [f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in sorted(set(a) | set(b))
+              if json.dumps(a.get(k)) != json.dumps(b.get(k))]
   return diffs
 
 

@@ -1,7 +1,9 @@
 """Device mesh, the one table of logical-axis rules, and the shardings of state and batches.
 
 Mesh axes: `data` (pure data parallel: params replicated), `fsdp` (data parallel with params and
-optimizer moments sharded over `embed`), `model` (tensor parallel over vocab, heads and MLP).
+optimizer moments sharded over `embed`), `expert` (expert parallel: MoE experts split over it, the
+batch too, so it is data parallel for everything else), `model` (tensor parallel over vocab, heads
+and MLP; it also splits the experts when there is no `expert` axis, or what that leaves).
 Parameters carry logical axis names (model.py); `AXIS_RULES` maps them onto mesh axes.
 """
 
@@ -12,16 +14,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ('data', 'fsdp', 'model')
+MESH_AXES = ('data', 'fsdp', 'expert', 'model')
 
 # logical name -> mesh axes it is split over (in order); a name not listed is replicated.
 AXIS_RULES = {
-    'batch': ('data', 'fsdp'),
+    'batch': ('data', 'fsdp', 'expert'),
     'embed': ('fsdp',),
     'vocab': ('model',),
     'heads': ('model',),
     'kv_heads': ('model',),
-    'mlp': ('model',),
+    'mlp': ('model',),            # an expert's width: only if 'model' is not taken by 'expert' below
+    'expert': ('expert', 'model'),
 }
 
 

@@ -3,10 +3,13 @@
 Text always encodes to ordinary tokens (a literal '<|endoftext|>' in a document is text, not EOS);
 the special tokens enter a sequence only as explicit ids: EOS after each document and the
 ChatML-like turn markers `<|im_start|>role\\n ... <|im_end|>` built by `chat_turn`/`chat_prompt`.
+A pretrained model's tokenizer (gguf_llama.py) brings its own Jinja chat template instead, which
+`chat` renders around the already-encoded turns.
 """
 
 import hashlib
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Sequence
 
@@ -15,7 +18,7 @@ SPECIAL_TOKENS = (EOS, IM_START, IM_END)  # ids 0, 1, 2
 _INSTALL = 'pip install --no-deps tokenizers==0.23.3'
 
 
-def _tokenizers():
+def tokenizers_module():
   try:
     import tokenizers  # pylint: disable=import-outside-toplevel
   except ImportError as e:
@@ -23,17 +26,31 @@ def _tokenizers():
   return tokenizers
 
 
-class Tokenizer:
-  """Plain-text encode/decode with exact round trips; special tokens only as explicit ids."""
+_SLOT = '\ue000{}\ue001'  # a private-use placeholder for turn i's text while the template renders
+_SLOT_RE = re.compile('\ue000(\\d+)\ue001')
 
-  def __init__(self, tok):
+
+class Tokenizer:
+  """Plain-text encode/decode with exact round trips; special tokens only as explicit ids.
+
+  Chat formatting: the built-in `<|im_start|>role\\n ... <|im_end|>` turns, or a model's Jinja
+  `chat_template` (rendered with text placeholders, so turn texts keep their own encoding).
+  `eos` separates documents; `stop_tokens` end a generation.
+  """
+
+  def __init__(self, tok, *, eos: str = EOS, chat_template: str | None = None,
+               stop_tokens: Sequence[str] | None = None):
     # Special-token strings inside text are encoded as bytes, so only we place EOS / turn markers.
     tok.encode_special_tokens = True
     self._tok = tok
-    self.eos_id, self.im_start_id, self.im_end_id = (tok.token_to_id(t) for t in SPECIAL_TOKENS)
-    if None in (self.eos_id, self.im_start_id, self.im_end_id):
-      raise ValueError(f'tokenizer lacks one of the special tokens {SPECIAL_TOKENS}')
+    self.chat_template = chat_template
+    self.eos_id, self.im_start_id, self.im_end_id = (tok.token_to_id(t) for t in (eos, IM_START, IM_END))
+    if self.eos_id is None or (chat_template is None and None in (self.im_start_id, self.im_end_id)):
+      raise ValueError(f'tokenizer lacks one of the special tokens {(eos, IM_START, IM_END)}')
+    self.stop_ids = tuple(dict.fromkeys(tok.token_to_id(t) for t in (stop_tokens or (eos,))))
     self._headers: dict[str, list[int]] = {}
+    self._markup: dict[str, list[int]] = {}
+    self._template = None
 
   @property
   def vocab_size(self) -> int:
@@ -55,17 +72,46 @@ class Tokenizer:
     return self._headers[role]
 
   def chat_turn(self, role: str, ids: Sequence[int]) -> list[int]:
-    """`<|im_start|>role\\n` + ids + `<|im_end|>`: one turn of a training conversation."""
+    """`<|im_start|>role\\n` + ids + `<|im_end|>`: one turn in the built-in format."""
     return self._header(role) + list(ids) + [self.im_end_id]
+
+  def chat(self, turns: Sequence[tuple[str, Sequence[int]]], *, add_generation_prompt: bool = False) -> list[int]:
+    """A conversation of (role, text ids) turns, optionally followed by the assistant header."""
+    if self.chat_template is None:
+      out = [i for role, ids in turns for i in self.chat_turn(role, ids)]
+      return out + (self._header('assistant') if add_generation_prompt else [])
+    if self._template is None:
+      self._template = _jinja_template(self.chat_template)
+    text = self._template.render(messages=[{'role': r, 'content': _SLOT.format(i)} for i, (r, _) in enumerate(turns)],
+                                 add_generation_prompt=add_generation_prompt,
+                                 bos_token='', eos_token=self._tok.id_to_token(self.stop_ids[-1]))
+    out = []
+    for j, piece in enumerate(_SLOT_RE.split(text)):  # markup, turn index, markup, ...
+      out += list(turns[int(piece)][1]) if j % 2 else self._encode_markup(piece)
+    return out
+
+  def _encode_markup(self, text: str) -> list[int]:
+    """Template text: its special-token strings become their ids, the rest encodes as text."""
+    if text not in self._markup:
+      specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values() if t.special),
+                        key=len, reverse=True)
+      parts = re.split('(' + '|'.join(map(re.escape, specials)) + ')', text) if specials else [text]
+      self._markup[text] = [i for p in parts if p
+                            for i in ([self._tok.token_to_id(p)] if p in specials else self.encode(p))]
+    return self._markup[text]
 
   def chat_prompt(self, ids: Sequence[int]) -> list[int]:
     """A user turn followed by the assistant header: what a chat model continues."""
-    return self.chat_turn('user', ids) + self._header('assistant')
+    return self.chat([('user', ids)], add_generation_prompt=True)
 
   @property
   def chat_overhead(self) -> int:
     """Tokens `chat_prompt` adds around the user text."""
     return len(self.chat_prompt([]))
+
+  def to_str(self) -> str:
+    """The `tokenizers` JSON."""
+    return self._tok.to_str()
 
   def save(self, path: str) -> None:
     """Write the `tokenizers` JSON file atomically."""
@@ -75,7 +121,21 @@ class Tokenizer:
   def load(cls, path: str) -> 'Tokenizer':
     if not os.path.isfile(path):
       raise FileNotFoundError(f'tokenizer file {path} does not exist')
-    return cls(_tokenizers().Tokenizer.from_file(path))
+    return cls(tokenizers_module().Tokenizer.from_file(path))
+
+
+def _jinja_template(source: str):
+  """A chat template compiled as Hugging Face does (sandboxed, trim_blocks, lstrip_blocks)."""
+  try:
+    from jinja2 import sandbox  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ImportError('chat templates need jinja2: pip install --no-deps Jinja2==3.1.6 MarkupSafe==3.0.4') from e
+  env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+  def raise_exception(message):
+    raise ValueError(f'chat template: {message}')
+  env.globals['raise_exception'] = raise_exception
+  return env.from_string(source)
 
 
 def _atomic_write(path: str, text: str) -> None:
@@ -88,7 +148,7 @@ def _atomic_write(path: str, text: str) -> None:
 
 def bpe_key(texts: Sequence[str], vocab_size: int) -> str:
   """Hash of the training texts, the settings and the `tokenizers` version."""
-  h = hashlib.sha256(f'bytelevel-bpe/digits/v1/{vocab_size}/{_tokenizers().__version__}'.encode())
+  h = hashlib.sha256(f'bytelevel-bpe/digits/v1/{vocab_size}/{tokenizers_module().__version__}'.encode())
   for t in texts:
     b = t.encode('utf-8', 'surrogatepass')
     h.update(len(b).to_bytes(8, 'little'))
@@ -97,7 +157,7 @@ def bpe_key(texts: Sequence[str], vocab_size: int) -> str:
 
 
 def _train(texts: Sequence[str], vocab_size: int):
-  tk = _tokenizers()
+  tk = tokenizers_module()
   byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
   tok = tk.Tokenizer(tk.models.BPE())
   # Digits split one by one so numbers tokenize uniformly (as in SmolLM2 / Llama 3 tokenizers).

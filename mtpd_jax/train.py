@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mtpd_jax import checkpoint, fused_loss, losses, recipe, runtime, sharding
+from mtpd_jax import checkpoint, fused_loss, gguf_llama, losses, moe, recipe, runtime, sharding
 from mtpd_jax.model import MTPTransformer
 
 
@@ -70,10 +70,17 @@ def transplant(params: nnx.State, source: nnx.State, *, loop_heads: bool) -> nnx
 
 
 def warm_start(config: ml_collections.ConfigDict, state: TrainState, shardings: TrainState, mesh) -> TrainState:
-  """A fresh state whose parameters come from `train.init_from`, with fresh optimizer moments."""
-  source, _ = restore_model(config.train.init_from, mesh)
-  params = transplant(state.params, nnx.state(source, nnx.Param),
-                      loop_heads=config.train.init_heads == 'loop')
+  """A fresh state whose parameters come from `train.init_from`, with fresh optimizer moments.
+
+  `init_from` is a training workdir or a llama GGUF checkpoint (a .gguf path or 'smollm2').
+  """
+  if gguf_llama.is_gguf(config.train.init_from):
+    params = gguf_llama.init_params(state.graphdef, state.params, config.train.init_from,
+                                    trunk_heads=config.train.init_heads == 'trunk')
+  else:
+    source, _ = restore_model(config.train.init_from, mesh)
+    params = transplant(state.params, nnx.state(source, nnx.Param),
+                        loop_heads=config.train.init_heads == 'loop')
   # A fresh buffer per parameter, in its sharding: looped heads must not alias one donated buffer.
   params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings.params)(params)
   return state.replace(params=params, opt_state=jax.jit(state.tx.init, out_shardings=shardings.opt_state)(params))
@@ -99,7 +106,8 @@ def abstract_train_state(config: ml_collections.ConfigDict, mesh) -> tuple[Train
 # Steps
 
 
-def _forward_loss(params, graphdef, batch, *, loss_kw, isolate_trunk, beta_scale, loss_chunk_rows=0):
+def _forward_loss(params, graphdef, batch, *, loss_kw, isolate_trunk, beta_scale, loss_chunk_rows=0,
+                  router_bias_delta=False):
   model = nnx.merge(graphdef, params)
   out = model(batch['inputs'], batch['segment_ids'], isolate_trunk=isolate_trunk)
   labels = (batch['targets'], batch['segment_ids'], batch['target_segment_ids'])
@@ -107,9 +115,13 @@ def _forward_loss(params, graphdef, batch, *, loss_kw, isolate_trunk, beta_scale
     # The loss reads the final-normed hidden states and the unembedding in row chunks; the model's
     # logits go unused and XLA drops them, so no [K+1, B, T, V] array is materialised.
     w_DxV = model.embed[...].T if model.cfg.tie_embeddings else model.unembed[...]
-    return fused_loss.mtp_d_loss_fused(model.final_norm(out.hidden_K1xBxTxD), w_DxV, *labels,
-                                       beta_scale=beta_scale, chunk_rows=loss_chunk_rows, **loss_kw)
-  return losses.mtp_d_loss(out.logits_BxTxV, out.mtp_logits_KxBxTxV, *labels, beta_scale=beta_scale, **loss_kw)
+    loss, metrics = fused_loss.mtp_d_loss_fused(model.final_norm(out.hidden_K1xBxTxD), w_DxV, *labels,
+                                                beta_scale=beta_scale, chunk_rows=loss_chunk_rows, **loss_kw)
+  else:
+    loss, metrics = losses.mtp_d_loss(out.logits_BxTxV, out.mtp_logits_KxBxTxV, *labels,
+                                      beta_scale=beta_scale, **loss_kw)
+  # MoE: + the router's balancing loss; moe/* load metrics (and, for train_step, the bias steps).
+  return moe.add_router_terms(loss, metrics, out.aux, with_bias_delta=router_bias_delta)
 
 
 def train_step(state: TrainState, batch, *, loss_kw, isolate_trunk, kl_warmup_steps, labels,
@@ -121,10 +133,13 @@ def train_step(state: TrainState, batch, *, loss_kw, isolate_trunk, kl_warmup_st
     # Frozen parameters get no gradient at all, so XLA drops their backward pass.
     params = jax.tree.map(lambda p, l: p if l == 'train' else jax.lax.stop_gradient(p), params, labels)
     return _forward_loss(params, state.graphdef, batch, loss_kw=loss_kw, isolate_trunk=isolate_trunk,
-                         beta_scale=beta_scale, loss_chunk_rows=loss_chunk_rows)
+                         beta_scale=beta_scale, loss_chunk_rows=loss_chunk_rows, router_bias_delta=True)
   (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  bias_delta = metrics.pop('moe/router_bias_delta', None)
   updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
+  if bias_delta:  # MoE with bias balancing: each router bias steps toward even load (zero gradient)
+    params = moe.apply_router_bias_delta(params, bias_delta, labels)
   metrics['grad_norm'] = optax.global_norm(grads)
   metrics['lr'] = schedule(state.step)
   finite = jnp.isfinite(metrics['loss']) & jnp.isfinite(metrics['grad_norm'])
@@ -181,10 +196,8 @@ def check_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
     return
   if config.train.resume == 'never':
     raise ValueError(f'train.resume=never, but {workdir} already holds checkpoints; choose a fresh --workdir')
-  saved_path = os.path.join(workdir, 'config.json')
-  if os.path.exists(saved_path):
-    with open(saved_path) as f:
-      diffs = runtime.state_mismatch(json.load(f), json.loads(config.to_json()))
+  if os.path.exists(os.path.join(workdir, 'config.json')):
+    diffs = runtime.state_mismatch(saved_config(workdir).to_dict(), json.loads(config.to_json()))
     if diffs:
       raise ValueError(f'{workdir} holds checkpoints of another model ({"; ".join(diffs)}); use another --workdir')
 
@@ -273,16 +286,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
     return state, final
 
 
+def saved_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config.json of a workdir; fields newer than it get their configs/base.py defaults."""
+  from configs import base  # pylint: disable=import-outside-toplevel
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'{workdir} holds no config.json: not a training workdir')
+  with open(path) as f:
+    saved = json.load(f)
+  return ml_collections.ConfigDict(runtime.with_defaults(saved, json.loads(base.get_config().to_json())))
+
+
 def restore_model(workdir: str, mesh=None) -> tuple[MTPTransformer, ml_collections.ConfigDict]:
   """The trained model of a workdir (latest checkpoint) and its config.
 
   Parameters are placed on `mesh` by the logical axis rules (default: replicated on all devices).
   """
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
-    raise FileNotFoundError(f'{workdir} holds no config.json: not a training workdir')
-  with open(path) as f:
-    config = ml_collections.ConfigDict(json.load(f))
+  config = saved_config(workdir)
   mesh = mesh or sharding.make_mesh((-1,), ('data',))
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=0, max_to_keep=1)
   step = ckpt.latest_step()

@@ -95,6 +95,21 @@ def test_a_workdir_of_another_model_is_refused_and_resume_never_refuses_reuse(tm
   assert _ckpt_steps(str(tmp_path)) == before   # nothing on disk was touched
 
 
+def test_a_workdir_saved_before_newer_config_fields_existed_still_resumes(tmp_path):
+  config = small_config(steps=4)
+  _train(config, tmp_path)
+  path = tmp_path / 'config.json'
+  saved = json.loads(path.read_text())
+  del saved['model']['moe'], saved['data']['tokenizer']  # fields added by later versions
+  path.write_text(json.dumps(saved))
+  state, _ = _train(small_config(steps=8), tmp_path)  # their defaults match: the same model, resumed
+  assert int(state.step) == 8 and _ckpt_steps(str(tmp_path))[-1] == 8
+  moe_run = small_config(steps=12)
+  moe_run.model.moe.num_experts = 4
+  with pytest.raises(ValueError, match=r'another model \(model.moe.num_experts: 0 -> 4\)'):
+    _train(moe_run, tmp_path)
+
+
 @pytest.mark.parametrize('on_nan', ['stop', 'skip'])
 def test_a_non_finite_step_stops_with_its_step_or_is_skipped(tmp_path, on_nan):
   config = small_config(steps=6)

@@ -1,0 +1,23 @@
+"""Looped extension on SmolLM2-135M-Instruct (Table 8, Figs. 3 and 5): one head drafted to depth 8.
+
+Every row trains on the frozen pretrained trunk (configs/smollm2_mtpd.py). Rows: MTP-D with K=1;
+the same head looped to draft depth 8 without training (MTP-D*: depth j reuses head 1); and
+trained looping 1 -> 2 -> 4 -> 8, where each stage copies the trained heads and trains only the
+copies. `smollm2_looped:quick` runs on two CPU cores.
+"""
+
+from configs import smollm2_mtpd
+
+
+def get_config(arg: str = ''):
+  c = smollm2_mtpd.get_config(arg, num_heads=1)
+  c.looped.stage_steps = c.train.steps // 2
+  return c
+
+
+def get_sweep():
+  return [
+      {'label': 'MTP-D, K=1'},
+      {'label': 'MTP-D*, 1 to 8 (training-free)', 'eval.draft_depth': 8},
+      {'label': 'MTP-D, 1 to 8 (trained)', 'looped.schedule': (1, 2, 4, 8), 'eval.draft_depth': 8},
+  ]

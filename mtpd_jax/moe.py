@@ -1,0 +1,211 @@
+"""Mixture-of-Experts feed-forward: a top-k router, capacity or dropless dispatch, load balancing.
+
+Dimension letters as in model.py (D model width, F expert width, B, T), plus X experts, A experts
+chosen per token (top-k), U routing groups, M tokens per group, C capacity slots per expert.
+
+Router (DeepSeek-style): softmax over the X experts in f32, the top A chosen, and their gates
+renormalised to sum to 1 (`renormalize_gates`). Balancing, either or both:
+  * auxiliary loss (Switch/GShard): X · Σ_x f_x · P_x, with f_x the share of routed choices that
+    pick expert x and P_x its mean router probability; 1 when even. Weighted by `aux_loss_weight`.
+  * bias (DeepSeek-V3 "aux-loss-free"): a per-expert bias added to the scores for *choosing* only
+    (gates come from the unbiased probabilities); after each step it moves by `bias_update_rate`
+    toward even load: b_x += rate · sign(1/X − f_x). It is a parameter with zero gradient.
+Dispatch:
+  * capacity (`capacity_factor` > 0), used by the training forward: each sequence is cut into
+    groups of M tokens (`group_size`, 0 = the whole sequence); expert x takes at most
+    C = ceil(capacity_factor · M · A / X) choices per group, in token order (token-major, so a
+    token's slot depends only on earlier tokens: the trunk stays causal). A choice over capacity is
+    dropped: its share of the token's output is zero and the token passes through the residual.
+    The dispatch is a one-hot einsum into an [X, U, C, D] buffer, which shards over experts.
+  * dropless: every token reaches all its A experts. Computed densely (every expert on every
+    token, weighted by the gates; X/A times the expert FLOPs), so it suits decoding and small
+    models. The inference entry points (`trunk`, `mtp_head`) are always dropless, so a token's
+    output never depends on which other tokens share its call and speculative verification
+    equals plain decoding.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """Routed experts of each block's feed-forward; `num_experts=0` is the dense SwiGLU MLP."""
+  num_experts: int = 0            # X routed experts; 0 = dense
+  top_k: int = 2                  # A experts per token
+  expert_dim: int = 0             # F of each expert (and of each shared expert); 0 = model.mlp_dim
+  num_shared_experts: int = 0     # experts every token passes through (one SwiGLU of width s·F)
+  capacity_factor: float = 1.25   # training forward: slots per expert = factor·M·A/X; <= 0 = dropless
+  group_size: int = 0             # M, tokens per routing group; 0 = the whole sequence
+  renormalize_gates: bool = True  # top-k gates sum to 1 (DeepSeek); False = raw softmax probabilities
+  aux_loss_weight: float = 0.01   # Switch-style balancing loss weight (0 = off)
+  bias_update_rate: float = 0.0   # DeepSeek-V3 balancing bias step per train step (0 = off)
+
+  def __post_init__(self):
+    if self.num_experts < 0 or self.num_shared_experts < 0 or self.group_size < 0 or self.expert_dim < 0:
+      raise ValueError(f'model.moe: num_experts, num_shared_experts, group_size and expert_dim must be >= 0 '
+                       f'({self})')
+    if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+      raise ValueError(f'model.moe.top_k={self.top_k} must lie in 1..num_experts={self.num_experts}')
+    if self.aux_loss_weight < 0 or self.bias_update_rate < 0:
+      raise ValueError(f'model.moe.aux_loss_weight={self.aux_loss_weight} and bias_update_rate='
+                       f'{self.bias_update_rate} must be >= 0')
+
+  def capacity(self, group_tokens: int) -> int:
+    """C: slots per expert in a group of `group_tokens` (never more than the group holds)."""
+    c = math.ceil(self.capacity_factor * group_tokens * self.top_k / self.num_experts)
+    return max(1, min(c, group_tokens))
+
+
+_expert_init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal', in_axis=1, out_axis=2,
+                                                 batch_axis=(0,))
+
+
+def _param(rngs: nnx.Rngs, init, shape, axes) -> nnx.Param:
+  return nnx.Param(init(rngs.params(), shape, jnp.float32), axes=axes)
+
+
+def route(logits_NxX, bias_X, top_k: int, renormalize: bool):
+  """Top-k experts of each token and their gates (from the unbiased softmax, in f32)."""
+  probs_NxX = jax.nn.softmax(logits_NxX.astype(jnp.float32), axis=-1)
+  _, idx_NxA = jax.lax.top_k(probs_NxX + jax.lax.stop_gradient(bias_X), top_k)  # bias: choice only
+  gates_NxA = jnp.take_along_axis(probs_NxX, idx_NxA, axis=-1)
+  if renormalize:
+    gates_NxA = gates_NxA / jnp.sum(gates_NxA, axis=-1, keepdims=True)
+  return idx_NxA, gates_NxA, probs_NxX
+
+
+def dispatch_masks(idx_UxMxA, gates_UxMxA, valid_UxM, num_experts: int, capacity: int):
+  """One-hot dispatch and gate-weighted combine tensors UxMxXxC, and which choices fit (UxMxA).
+
+  Slots are handed out in token-major order (all choices of token m before token m+1), so a
+  token's placement depends only on earlier tokens of its group. Invalid (padding) tokens take none.
+  """
+  u, m, a = idx_UxMxA.shape
+  choice_UxMxAxX = jax.nn.one_hot(idx_UxMxA, num_experts, dtype=jnp.int32) * valid_UxM[..., None, None]
+  queue_UxMAxX = jnp.cumsum(choice_UxMxAxX.reshape(u, m * a, num_experts), axis=1) - 1
+  slot_UxMxA = jnp.sum(queue_UxMAxX.reshape(u, m, a, num_experts) * choice_UxMxAxX, axis=-1)
+  keep_UxMxA = (slot_UxMxA < capacity) & (jnp.sum(choice_UxMxAxX, axis=-1) > 0)
+  slot_UxMxAxC = jax.nn.one_hot(slot_UxMxA, capacity, dtype=jnp.float32) * keep_UxMxA[..., None]
+  choice_UxMxAxX = choice_UxMxAxX.astype(jnp.float32)
+  dispatch_UxMxXxC = jnp.einsum('umax,umac->umxc', choice_UxMxAxX, slot_UxMxAxC)
+  combine_UxMxXxC = jnp.einsum('umax,umac,uma->umxc', choice_UxMxAxX, slot_UxMxAxC, gates_UxMxA)
+  return dispatch_UxMxXxC, combine_UxMxXxC, keep_UxMxA
+
+
+def routing_stats(idx_NxA, probs_NxX, keep_NxA, valid_N, bias_update_rate: float) -> dict:
+  """Balancing loss, per-expert load f_x (share of routed choices, before capacity) and drops."""
+  x = probs_NxX.shape[-1]
+  n_valid = jnp.maximum(jnp.sum(valid_N), 1)
+  choice_NxX = jnp.sum(jax.nn.one_hot(idx_NxA, x), axis=1) * valid_N[:, None]
+  load_X = jnp.sum(choice_NxX, axis=0) / (n_valid * idx_NxA.shape[-1])
+  mean_prob_X = jnp.sum(probs_NxX * valid_N[:, None], axis=0) / n_valid
+  return {'aux_loss': x * jnp.sum(jax.lax.stop_gradient(load_X) * mean_prob_X),
+          'max_load': x * jnp.max(load_X),
+          'dropped_frac': 1.0 - jnp.sum(keep_NxA * valid_N[:, None]) / (n_valid * idx_NxA.shape[-1]),
+          'bias_delta_X': bias_update_rate * jnp.sign(1.0 / x - load_X)}
+
+
+class MoE(nnx.Module):
+  """X SwiGLU experts of width F behind a top-A router (shared experts live in the Block)."""
+
+  def __init__(self, dim: int, cfg: MoEConfig, rngs: nnx.Rngs):
+    x, f = cfg.num_experts, cfg.expert_dim
+    self.cfg = cfg
+    self.w_router = _param(rngs, nnx.initializers.normal(0.02), (dim, x), ('embed', None))
+    self.router_bias = _param(rngs, nnx.initializers.zeros, (x,), (None,))  # moved by train_step only
+    self.w_gate = _param(rngs, _expert_init, (x, dim, f), ('expert', 'embed', 'mlp'))
+    self.w_up = _param(rngs, _expert_init, (x, dim, f), ('expert', 'embed', 'mlp'))
+    self.w_down = _param(rngs, _expert_init, (x, f, dim), ('expert', 'mlp', 'embed'))
+
+  def _experts(self, x_XxUxCxD):
+    dt = x_XxUxCxD.dtype
+    gate = jnp.einsum('xucd,xdf->xucf', x_XxUxCxD, self.w_gate[...].astype(dt))
+    up = jnp.einsum('xucd,xdf->xucf', x_XxUxCxD, self.w_up[...].astype(dt))
+    return jnp.einsum('xucf,xfd->xucd', jax.nn.silu(gate) * up, self.w_down[...].astype(dt))
+
+  def __call__(self, x_BxTxD, *, dropless: bool = True):
+    """(output BxTxD, routing stats); `dropless=False` applies the capacity limit (training)."""
+    cfg, dt = self.cfg, x_BxTxD.dtype
+    b, t, d = x_BxTxD.shape
+    logits_BxTxX = jnp.einsum('btd,dx->btx', x_BxTxD.astype(jnp.float32), self.w_router[...])
+    idx_BxTxA, gates_BxTxA, probs_BxTxX = route(logits_BxTxX, self.router_bias[...], cfg.top_k,
+                                                cfg.renormalize_gates)
+    if dropless or cfg.capacity_factor <= 0:
+      gates_BxTxX = jnp.sum(jax.nn.one_hot(idx_BxTxA, cfg.num_experts) * gates_BxTxA[..., None], axis=2)
+      y_XxBxTxD = self._experts(jnp.broadcast_to(x_BxTxD, (cfg.num_experts, b, t, d)))
+      out_BxTxD = jnp.einsum('btx,xbtd->btd', gates_BxTxX.astype(dt), y_XxBxTxD)
+      keep_BxTxA, valid_BxT = jnp.ones(idx_BxTxA.shape, bool), jnp.ones((b, t), bool)
+    else:
+      # Groups of M consecutive tokens of one sequence; a ragged tail is padded and routes nowhere.
+      m = min(cfg.group_size or t, t)
+      pad = -t % m
+      padded = lambda a, v: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=v)
+      u = b * (t + pad) // m
+      valid_BxT = padded(jnp.ones((b, t), bool), False)
+      dispatch_UxMxXxC, combine_UxMxXxC, keep_UxMxA = dispatch_masks(
+          padded(idx_BxTxA, 0).reshape(u, m, -1), padded(gates_BxTxA, 0.0).reshape(u, m, -1),
+          valid_BxT.reshape(u, m), cfg.num_experts, cfg.capacity(m))
+      x_UxMxD = padded(x_BxTxD, 0.0).reshape(u, m, d)
+      # expert inputs[X_expert, U_batch, C, D]: the dispatch is an all-to-all when both axes are sharded
+      x_XxUxCxD = jnp.einsum('umxc,umd->xucd', dispatch_UxMxXxC.astype(dt), x_UxMxD)
+      out_UxMxD = jnp.einsum('umxc,xucd->umd', combine_UxMxXxC.astype(dt), self._experts(x_XxUxCxD))
+      out_BxTxD = out_UxMxD.reshape(b, t + pad, d)[:, :t]
+      keep_BxTxA = keep_UxMxA.reshape(b, t + pad, -1)[:, :t]
+      valid_BxT = valid_BxT[:, :t]
+    n = b * t
+    stats = routing_stats(idx_BxTxA.reshape(n, -1), probs_BxTxX.reshape(n, -1), keep_BxTxA.reshape(n, -1),
+                          valid_BxT.reshape(n), cfg.bias_update_rate)
+    return out_BxTxD, stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Training-side helpers: the model's routing terms into the loss, metrics and the bias update.
+
+
+def summarize(stats_by_bias_path: dict[str, dict], cfg: MoEConfig) -> dict:
+  """The model's `aux` output from each MoE layer's stats (keyed by its router_bias parameter path).
+
+  `loss`: the weighted balancing loss to add to the training loss; `metrics`: its unweighted
+  mean over layers (`moe/aux_loss`), the busiest expert's load relative to even (`moe/max_load`,
+  1 = balanced) and the share of routed choices dropped by capacity (`moe/dropped_frac`), both
+  averaged over layers; `router_bias_delta`: each layer's bias step (none without bias balancing).
+  """
+  layers = list(stats_by_bias_path.values())
+  mean = lambda key: jnp.mean(jnp.stack([s[key] for s in layers]))
+  return {'loss': cfg.aux_loss_weight * mean('aux_loss'),
+          'metrics': {'moe/aux_loss': mean('aux_loss'), 'moe/max_load': mean('max_load'),
+                      'moe/dropped_frac': mean('dropped_frac')},
+          'router_bias_delta': ({p: s['bias_delta_X'] for p, s in stats_by_bias_path.items()}
+                                if cfg.bias_update_rate else {})}
+
+
+def add_router_terms(loss, metrics: dict, aux: dict | None, *, with_bias_delta: bool = False):
+  """(loss + balancing loss, metrics + moe/* metrics); `train/loss` stays the MTP-D loss alone.
+
+  With `with_bias_delta`, metrics also carries the per-layer bias steps under
+  'moe/router_bias_delta' (a dict, for train_step to pop before the metrics leave the step).
+  """
+  if not aux:
+    return loss, metrics
+  metrics = {**metrics, **aux['metrics']}
+  if with_bias_delta:
+    metrics['moe/router_bias_delta'] = aux['router_bias_delta']
+  return loss + aux['loss'], metrics
+
+
+def param_path(path) -> str:
+  """'blocks/0/moe/router_bias' for a parameter's key path in an nnx.State."""
+  return '/'.join(str(getattr(p, 'key', None)) for p in path if getattr(p, 'key', None) is not None)
+
+
+def apply_router_bias_delta(params, deltas: dict, labels):
+  """`params` with each trainable router bias moved by its step (DeepSeek-V3 balancing)."""
+  def one(path, p, label):
+    delta = deltas.get(param_path(path))
+    return p if delta is None or label != 'train' else p + delta.astype(p.dtype)
+  return jax.tree_util.tree_map_with_path(one, params, labels)
