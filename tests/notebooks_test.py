@@ -17,6 +17,9 @@ def run_notebook(name: str, tmp_path, monkeypatch, **parameters):
   nb.cells.insert(at + 1, nbformat.v4.new_code_cell('\n'.join(f'{k} = {v!r}' for k, v in parameters.items())))
   monkeypatch.setenv('JAX_NUM_CPU_DEVICES', '1')
   monkeypatch.setenv('MTPD_JAX_CACHE', str(tmp_path / 'cache'))
+  # The kernel shares the suite's persistent XLA cache: both rows of a notebook compile the same programs.
+  monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', os.path.join(ROOT, '.pytest_cache', 'xla'))
+  monkeypatch.setenv('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5')
   nbclient.NotebookClient(nb, timeout=900, kernel_name='python3',
                           resources={'metadata': {'path': NOTEBOOKS}}).execute()
   return nb
@@ -53,3 +56,14 @@ def test_quickstart_runs_and_shows_tables_plots_decoding_and_speedup(tmp_path, m
   assert text.count('lossless=True') == 6  # chat, code and math for each of the two rows
   for name in ('loss_curves.png', 'acceptance.png', 'results.md'):
     assert (tmp_path / 'results' / name).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_real_model_notebook_trains_heads_on_smollm2_and_drafts_to_depth_8(tmp_path, monkeypatch):
+  nb = run_notebook('real_model_heads.ipynb', tmp_path, monkeypatch, quick=True, runs_dir=str(tmp_path / 'runs'),
+                    results_dir=str(tmp_path / 'results'), loop_depth=8)
+  text = _outputs(nb)
+  assert "'num_layers': 30" in text and '<|im_start|>user' in text  # the real model and its chat template
+  assert '| MTP, K=4, frozen trunk |' in text and '| MTP-D, K=4, frozen trunk |' in text
+  assert 'accepted drafts' in text
+  assert text.count('**MTP, depth 8**') == 1 and text.count('**MTP-D, depth 8**') == 1
