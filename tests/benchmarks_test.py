@@ -40,5 +40,6 @@ def test_train_efficiency_quick(tmp_path):
   r = _read(tmp_path / 'train_efficiency.json')
   assert r['model_flops'] == train_efficiency.model_flops(
       train_efficiency.common.get_config('tiny', num_heads=4, batch_size=8, seq_len=64))
-  for key in ('flops_fraction', 'fused/flops_fraction'):
+  assert r['flops_fraction'] == r['fused/flops_fraction']
+  for key in ('logits/flops_fraction', 'fused/flops_fraction'):
     assert 0 < r[key] and math.isfinite(r[key])
