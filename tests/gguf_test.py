@@ -126,6 +126,7 @@ def test_imported_model_matches_a_numpy_llama(fake):
   np.testing.assert_allclose(ours, reference_logits(arrays, tokens), atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize('name, error, message', [
     ('gpt2.gguf', ValueError, "general.architecture='gpt2'; only 'llama'"),
     ('cut_tensors.gguf', ValueError, r'cut_tensors.gguf is not a readable GGUF file \(truncated or corrupt\?\)'),
@@ -138,6 +139,7 @@ def test_bad_files_are_refused_clearly(fake, name, error, message):
     gguf_llama.model_fields(str(d / name))
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize('name, message', [('gpt2.gguf', 'architecture'), ('cut_tensors.gguf', 'truncated')])
 def test_command_line_refuses_bad_files_in_one_line(fake, tmp_path, name, message):
   d, _ = fake
