@@ -125,6 +125,15 @@ def _masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT=None, 
   return _log_probs(t_BxTxV, t_lse_BxT), _log_probs(s_BxTxV, s_lse_BxT), t_lse_BxT, s_lse_BxT
 
 
+def _kl_terms(logq, logp, direction: str):
+  """Per-entry terms of KL(q ‖ p) ('forward', q the teacher) or KL(p ‖ q) ('reverse'), from log-probs."""
+  if direction == 'forward':
+    return jnp.exp(logq) * (logq - logp)
+  if direction == 'reverse':
+    return jnp.exp(logp) * (logp - logq)
+  raise ValueError(f'unknown KL direction {direction!r}; expected one of {KL_DIRECTIONS}')
+
+
 def _masked_kl(t_BxTxV, s_BxTxV, sel_BxTxV, *, direction, renormalize, t_lse_BxT=None):
   """KL over the entries where sel = 1, from f32 logits already divided by τ.
 
@@ -132,12 +141,7 @@ def _masked_kl(t_BxTxV, s_BxTxV, sel_BxTxV, *, direction, renormalize, t_lse_BxT
   terms summed over the selection. `t_lse_BxT`: the teacher's log-normaliser, if precomputed.
   """
   logq, logp, _, _ = _masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT)
-  if direction == 'forward':
-    terms = jnp.exp(logq) * (logq - logp)
-  elif direction == 'reverse':
-    terms = jnp.exp(logp) * (logp - logq)
-  else:
-    raise ValueError(f'unknown KL direction {direction!r}; expected one of {KL_DIRECTIONS}')
+  terms = _kl_terms(logq, logp, direction)
   return jnp.sum(terms if renormalize else terms * sel_BxTxV, axis=-1)
 
 
@@ -229,12 +233,7 @@ def kl_divergence(teacher_BxTxV, student_BxTxV, idx_BxTxN=None, valid_BxTxN=None
     else:
       logq = jnp.take_along_axis(jax.nn.log_softmax(t_BxTxV, -1), idx_BxTxN, axis=-1)
       logp = jnp.take_along_axis(jax.nn.log_softmax(s_BxTxV, -1), idx_BxTxN, axis=-1)
-  if direction == 'forward':
-    terms = jnp.exp(logq) * (logq - logp)
-  elif direction == 'reverse':
-    terms = jnp.exp(logp) * (logp - logq)
-  else:
-    raise ValueError(f'unknown KL direction {direction!r}; expected one of {KL_DIRECTIONS}')
+  terms = _kl_terms(logq, logp, direction)
   return jnp.sum(jnp.where(valid, terms, 0.0), axis=-1)
 
 
