@@ -49,11 +49,17 @@ def config_name(path: str) -> str:
   return os.path.splitext(os.path.basename(path.partition(':')[0]))[0]
 
 
-def load_sweep(path: str) -> list[dict]:
-  """get_sweep() of the config module, or one empty point if it has none."""
+def load_config_module(path: str):
+  """The config file at `path` (a ':arg' suffix is ignored), imported as a module."""
   spec = importlib.util.spec_from_file_location('_config_module', path.partition(':')[0])
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
+  return module
+
+
+def load_sweep(path: str) -> list[dict]:
+  """get_sweep() of the config module, or one empty point if it has none."""
+  module = load_config_module(path)
   return module.get_sweep() if hasattr(module, 'get_sweep') else [{}]
 
 

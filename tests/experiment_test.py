@@ -1,6 +1,13 @@
-"""The experiment pipeline end to end: embedded data, cached base model, one variant, decoding, report."""
+"""The paper's configs end to end at their `:quick` size: embedded data, cached base model, every
+variant, real decoding, the report; and a rerun skips finished points.
+
+`ablation_topn:quick` runs in `make test` (CI). The other configs' quick sweeps take about two
+minutes each, so they carry the `sweeps` marker, which pytest.ini deselects by default:
+`pytest -m sweeps` runs them.
+"""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -8,30 +15,84 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ('mtp_vs_mtpd', 'ablation_detach', 'ablation_beta', 'ablation_kl', 'ablation_step_weights',
+           'ablation_ensemble', 'looped', 'looped_deep')
+sys.path.insert(0, ROOT)
+from experiments import run as run_cli  # noqa: E402
+
+
+@pytest.fixture(scope='module')
+def shared_env(tmp_path_factory):
+  """One data cache for the module and the suite's XLA cache: later configs reuse what earlier ones built."""
+  return {**os.environ, 'JAX_NUM_CPU_DEVICES': '1', 'PYTHONPATH': ROOT,
+          'MTPD_JAX_CACHE': str(tmp_path_factory.mktemp('cache')),
+          'JAX_COMPILATION_CACHE_DIR': os.path.join(ROOT, '.pytest_cache', 'xla'),
+          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0.5'}
+
+
+def _run(args, cwd, env, timeout=900):
+  proc = subprocess.run([sys.executable, '-m', 'experiments.run', *args], cwd=cwd, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc
+
+
+def _expected_depth(name: str, point: dict) -> int:
+  """The draft depth a point's report should have: its eval.draft_depth, else its last head count."""
+  config = run_cli.load_config_module(os.path.join(ROOT, 'configs', name + '.py')).get_config('quick')
+  config.update_from_flattened_dict(point)
+  schedule = tuple(config.looped.schedule)
+  return config.eval.draft_depth or (schedule[-1] if schedule else config.mtp.num_heads)
+
+
+def check_quick_sweep(name: str, tmp_path, env) -> dict:
+  """Run NAME:quick and check its report: every row decoded losslessly to its depth, with sane rates."""
+  workdir = tmp_path / 'runs' / name
+  _run([f'--config={name}:quick', f'--workdir={workdir}'], tmp_path, env)
+  results_dir = tmp_path / 'results' / name
+  report = (results_dir / 'results.md').read_text()
+  for image in ('acceptance.png', 'loss_curves.png'):
+    assert (results_dir / image).stat().st_size > 0
+  results = json.loads((results_dir / 'results.json').read_text())
+  points = run_cli.load_sweep(os.path.join(ROOT, 'configs', name + '.py'))
+  assert list(results) == [p['label'] for p in points]
+  for point in points:
+    label = point['label']
+    assert f'| {label} |' in report and f'| {label} | – ' not in report, label
+    (run,) = results[label]
+    depth = _expected_depth(name, {k: v for k, v in point.items() if k != 'label'})
+    assert set(run['eval']['prompt_sets']) == {'chat', 'code', 'math'}
+    for result in run['eval']['prompt_sets'].values():
+      assert result['lossless'] is True, label
+      assert result['draft_depth'] == depth and len(result['ar']) == depth, label
+      # AR at depth k is undefined (NaN, null in JSON) where no step accepted k-1 drafts.
+      assert all(a is None or math.isnan(a) or 0.0 <= a <= 1.0 for a in result['ar']), label
+      car = result['car']
+      assert all(b <= a + 1e-12 for a, b in zip(car, car[1:])), label  # cumulative: never rises
+      assert result['tokens_per_forward'] == pytest.approx(1.0 + sum(car))
+    assert 0.0 < run['eval']['heldout']['accuracy'] < 1.0
+  return results
 
 
 @pytest.mark.slow
-def test_quick_sweep_point_trains_evaluates_and_reports(tmp_path):
-  env = {**os.environ, 'JAX_NUM_CPU_DEVICES': '1', 'MTPD_JAX_CACHE': str(tmp_path / 'cache'), 'PYTHONPATH': ROOT}
-  workdir = tmp_path / 'runs' / 'ablation_topn'
-  cmd = [sys.executable, '-m', 'experiments.run', '--config=ablation_topn:quick', '--sweep_index=2',
-         f'--workdir={workdir}']
-  proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  run_dir = workdir / '2'
-  with open(run_dir / 'eval.json') as f:
-    ev = json.load(f)
-  assert set(ev['prompt_sets']) == {'chat', 'code', 'math'}
-  for result in ev['prompt_sets'].values():
-    assert result['lossless'] is True
-    assert 0.0 <= result['ar'][0] <= 1.0 and result['tokens_per_forward'] >= 1.0
-  # The variant continued from the cached base model, which a rerun reuses without training again.
-  summary = json.loads((run_dir / 'summary.json').read_text())
-  assert summary['model_dir'] == str(run_dir)
+def test_ablation_topn_quick_sweep_and_rerun(tmp_path, shared_env):
+  results = check_quick_sweep('ablation_topn', tmp_path, shared_env)
+  # Every variant continued from one cached base model.
   assert len(os.listdir(tmp_path / 'runs' / '_base')) == 1
-  report = (tmp_path / 'results' / 'ablation_topn' / 'results.md').read_text()
-  assert '| Top N = 66 (0.8% V) |' in report and '| MTP | – \\| – |' in report
-  for name in ('results.json', 'acceptance.png', 'loss_curves.png'):
-    assert (tmp_path / 'results' / 'ablation_topn' / name).stat().st_size > 0
-  again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-  assert again.returncode == 0 and 'finished earlier' in again.stdout, again.stderr[-2000:]
+  # Top-N = 1 is the CE-only baseline: the renormalised KL over one logit is zero, and so is its gradient.
+  assert results['Top N = 1'][0]['final']['eval/distill/k1/kl'] == 0.0
+  # A rerun finds every point finished and only rewrites the report.
+  again = _run(['--config=ablation_topn:quick', f'--workdir={tmp_path / "runs" / "ablation_topn"}',
+                '--sweep_index=2'], tmp_path, shared_env, timeout=300)
+  assert 'finished earlier' in again.stdout and '[base]' not in again.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.sweeps
+@pytest.mark.parametrize('name', CONFIGS)
+def test_paper_config_quick_sweep(name, tmp_path, shared_env):
+  results = check_quick_sweep(name, tmp_path, shared_env)
+  if name.startswith('looped'):  # trained loops end in their last stage's workdir
+    for label, (run,) in results.items():
+      if 'trained' in label:
+        assert os.path.basename(run['model_dir']).startswith('heads_'), label
