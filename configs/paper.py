@@ -29,6 +29,7 @@ def get_config(arg: str = '', *, num_heads: int = 1):
     c.train.log_every, c.ckpt.every_steps = 5, 20
     c.train.eval_batches = 2
     c.eval.max_prompts, c.eval.max_prompt_tokens, c.eval.max_new_tokens = 4, 32, 16
+    c.eval.repeats, c.eval.timing_steps, c.eval.timing_repeats = 1, 32, 2  # smoke timings
   elif arg:
     raise ValueError(f"unknown config argument {arg!r}; expected '' or 'quick'")
   return c
