@@ -69,21 +69,29 @@ def transplant(params: nnx.State, source: nnx.State, *, loop_heads: bool) -> nnx
   return jax.tree_util.tree_map_with_path(one, params)
 
 
-def warm_start(config: ml_collections.ConfigDict, state: TrainState, shardings: TrainState, mesh) -> TrainState:
+def warm_start(config: ml_collections.ConfigDict, abstract: TrainState, shardings: TrainState,
+               mesh) -> TrainState:
   """A fresh state whose parameters come from `train.init_from`, with fresh optimizer moments.
 
   `init_from` is a training workdir or a llama GGUF checkpoint (a .gguf path or 'smollm2').
+  Parameters it lacks (new MTP heads) get the fresh initialisation, which is not even built when
+  it has them all (a looped stage copies every new head).
   """
   if gguf_llama.is_gguf(config.train.init_from):
-    params = gguf_llama.init_params(state.graphdef, state.params, config.train.init_from,
-                                    trunk_heads=config.train.init_heads == 'trunk')
+    params = gguf_llama.init_params(abstract.graphdef, init_train_state(config, abstract, shardings).params,
+                                    config.train.init_from, trunk_heads=config.train.init_heads == 'trunk')
   else:
     source, _ = restore_model(config.train.init_from, mesh)
-    params = transplant(state.params, nnx.state(source, nnx.Param),
+    params = transplant(abstract.params, nnx.state(source, nnx.Param),
                         loop_heads=config.train.init_heads == 'loop')
+    missing = lambda x: isinstance(x, jax.ShapeDtypeStruct)
+    if any(missing(x) for x in jax.tree.leaves(params)):
+      fresh = init_train_state(config, abstract, shardings).params
+      params = jax.tree.map(lambda p, f: f if missing(p) else p, params, fresh)
   # A fresh buffer per parameter, in its sharding: looped heads must not alias one donated buffer.
   params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings.params)(params)
-  return state.replace(params=params, opt_state=jax.jit(state.tx.init, out_shardings=shardings.opt_state)(params))
+  return abstract.replace(step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step), params=params,
+                          opt_state=jax.jit(abstract.tx.init, out_shardings=shardings.opt_state)(params))
 
 
 def abstract_train_state(config: ml_collections.ConfigDict, mesh) -> tuple[TrainState, TrainState]:
@@ -209,10 +217,9 @@ def _resume_or_init(config, workdir, ckpt, abstract, shardings, mesh, train_it):
     step, state = ckpt.restore_latest_good(abstract, train_it)
     if step is not None:
       return state, step
-  state = init_train_state(config, abstract, shardings)
   if config.train.init_from:
-    state = warm_start(config, state, shardings, mesh)
-  return state, 0
+    return warm_start(config, abstract, shardings, mesh), 0
+  return init_train_state(config, abstract, shardings), 0
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True):
