@@ -71,6 +71,20 @@ def with_model_preset(config, name: str, overrides: dict):
   return config
 
 
+def use_compilation_cache() -> None:
+  """XLA's persistent cache in <cache dir>/xla, unless $JAX_COMPILATION_CACHE_DIR names another.
+
+  A sweep's variants and a looped run's stages compile many identical programs, and a rerun all
+  of them; each is compiled once per machine. JAX_ENABLE_COMPILATION_CACHE=false turns it off.
+  """
+  import jax
+  from mtpd_jax import corpus
+  if not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
+    jax.config.update('jax_compilation_cache_dir', os.path.join(corpus.default_cache_dir(), 'xla'))
+  if not os.environ.get('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'):
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+
+
 def maybe_initialize_distributed() -> None:
   """Join a multi-process run when the environment describes one (JAX_COORDINATOR_ADDRESS etc.)."""
   import jax
@@ -83,6 +97,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   from mtpd_jax import experiment  # after flag parsing, so --help stays fast
+  use_compilation_cache()
   maybe_initialize_distributed()
   path = flags.FLAGS['config'].config_filename
   name = config_name(path)
