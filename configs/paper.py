@@ -24,11 +24,12 @@ def get_config(arg: str = '', *, num_heads: int = 1):
   c.eval.max_prompts, c.eval.max_prompt_tokens, c.eval.max_new_tokens = 8, 64, 48
   if arg == 'quick':
     c.model.update(dict(dim=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, mlp_dim=192))
-    c.data.seq_len = 64
+    c.data.seq_len = 32
     c.base.steps, c.train.steps = 40, 20
     c.train.log_every, c.ckpt.every_steps = 5, 20
     c.train.eval_batches = 2
     c.eval.max_prompts, c.eval.max_prompt_tokens, c.eval.max_new_tokens = 4, 32, 16
+    c.eval.batch_size = 4
     c.eval.repeats, c.eval.timing_steps, c.eval.timing_repeats = 1, 32, 2  # smoke timings
   elif arg:
     raise ValueError(f"unknown config argument {arg!r}; expected '' or 'quick'")
