@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 from mtpd_jax import sampling
-from mtpd_jax.model import Cache, MTPTransformer, attention_mask, cache_mask, init_cache, shift_left
+from mtpd_jax.model import Cache, ModelConfig, MTPTransformer, attention_mask, cache_mask, init_cache, shift_left
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,24 @@ class DecodeState(NamedTuple):
   accept_BxN: jax.Array | None = None          # accepted drafts at step n; -1 when not active
   h0_BxSxD: jax.Array | None = None            # trunk hidden states by position
   head_caches: list[Cache] | None = None       # one per draft depth
-  draft_logits_BxJxV: jax.Array | None = None  # depth-j logits that drafted tokens[length-1+j]
+  draft_logits_BxJxV: jax.Array | None = None  # sampling only: depth-j logits that drafted tokens[length-1+j]
+
+
+class DraftVocab(NamedTuple):
+  """A draft vocabulary: drafts are chosen among U token ids only, by U columns of the unembedding.
+
+  Verification always uses the main head over the whole vocabulary, so decoding stays lossless:
+  greedy drafts are just other guesses, and a sampled draft's q is a proper distribution over the
+  U ids (zero elsewhere), which the min(1, p/q) rule accepts exactly (docs/design.md, decoding).
+  """
+  ids_U: jax.Array    # int32 token ids
+  w_DxU: jax.Array    # their columns of the unembedding
+
+
+def draft_vocab(model: MTPTransformer, ids_U) -> DraftVocab:
+  """The draft vocabulary of these token ids (gathered once, outside the decoding loop)."""
+  ids_U = jnp.asarray(ids_U, jnp.int32)
+  return DraftVocab(ids_U, jnp.take(model.unembedding(), ids_U, axis=1))
 
 
 def head_for_depth(j: int, num_heads: int) -> int:
@@ -115,7 +132,8 @@ def _commit(st: DecodeState, emit_BxM, n_B, opts: DecodeOptions):
   return st._replace(tokens_BxS=tokens_BxS, length_B=length_B, done_B=done_B)
 
 
-def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOptions) -> DecodeState:
+def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOptions,
+            vocab: DraftVocab | None = None) -> DecodeState:
   """Run the (right-padded) prompts, choose the first new token and, if speculative, the first drafts."""
   cfg = model.cfg
   b, p = prompt_BxP.shape
@@ -139,10 +157,11 @@ def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOp
       accept_BxN=jnp.full((b, opts.max_new_tokens), -1, jnp.int32),
       h0_BxSxD=jnp.zeros((b, s, cfg.dim), h_BxPxD.dtype).at[:, :p].set(h_BxPxD),
       head_caches=[init_cache(cfg, b, s, num_layers=1)[0] for _ in range(opts.draft_depth)])
-  return _draft(model, st, jnp.zeros_like(prompt_len_B), p, key_draft, opts)
+  return _draft(model, st, jnp.zeros_like(prompt_len_B), p, key_draft, opts, vocab)
 
 
-def _draft(model: MTPTransformer, st: DecodeState, start_B, width: int, key, opts: DecodeOptions):
+def _draft(model: MTPTransformer, st: DecodeState, start_B, width: int, key, opts: DecodeOptions,
+           vocab: DraftVocab | None):
   """Re-run depths 1..J over positions [start, start+width) and draft tokens L+1..L+J (see module doc)."""
   s = st.tokens_BxS.shape[1]
   pos_BxW = start_B[:, None] + jnp.arange(width)
@@ -156,16 +175,27 @@ def _draft(model: MTPTransformer, st: DecodeState, start_B, width: int, key, opt
     h_BxWxD, cache = model.mtp_head(head_for_depth(j, model.cfg.num_mtp_heads), h_BxWxD,
                                     _gather(tokens_BxS, pos_BxW + j), pos_BxW, mask_BxWxS,
                                     st.head_caches[j - 1])
-    logits_BxV = model.logits(_gather(h_BxWxD, last_Bx1))[:, 0]
-    draft_B = sampling.choose(key_j, logits_BxV, opts.temperature, opts.top_p)
+    h_Bx1xD = _gather(h_BxWxD, last_Bx1)
+    if vocab is None:
+      draft_B, logits_BxV = None, model.logits(h_Bx1xD)[:, 0]
+    else:
+      logits_BxU = model.logits(h_Bx1xD, vocab.w_DxU)[:, 0]
+      # Greedy needs only the argmax; sampling, the full row with probability 0 outside the vocabulary.
+      draft_B = None if opts.temperature else vocab.ids_U[jnp.argmax(logits_BxU, axis=-1)]
+      logits_BxV = jnp.full(logits_BxU.shape[:1] + (model.cfg.vocab_size,), -jnp.inf,
+                            logits_BxU.dtype).at[:, vocab.ids_U].set(logits_BxU)
+    if draft_B is None:
+      draft_B = sampling.choose(key_j, logits_BxV, opts.temperature, opts.top_p)
     tokens_BxS = _write(tokens_BxS, (pending_B + j)[:, None], draft_B[:, None])
     head_caches.append(cache)
     draft_logits.append(logits_BxV)
+  # Greedy verification reads no draft probabilities; only sampling carries them to the next step.
   return st._replace(tokens_BxS=tokens_BxS, head_caches=head_caches,
-                     draft_logits_BxJxV=jnp.stack(draft_logits, axis=1))
+                     draft_logits_BxJxV=jnp.stack(draft_logits, axis=1) if opts.temperature else None)
 
 
-def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions) -> DecodeState:
+def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
+         vocab: DraftVocab | None = None) -> DecodeState:
   """One plain decoding step, or one speculative verify + draft step when opts.draft_depth > 0."""
   j, s = opts.draft_depth, st.tokens_BxS.shape[1]
   pos_BxJ1 = (st.length_B - 1)[:, None] + jnp.arange(j + 1)  # the pending token, then the drafts
@@ -193,7 +223,7 @@ def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions) -> DecodeS
   new = new._replace(
       h0_BxSxD=_write(st.h0_BxSxD, pos_BxJ1, h_BxJ1xD),
       accept_BxN=st.accept_BxN.at[:, st.step].set(jnp.where(st.done_B, -1, accepted_B), mode='drop'))
-  return _draft(model, new, jnp.maximum(new.length_B - 1 - 2 * j, 0), 2 * j, key_draft, opts)
+  return _draft(model, new, jnp.maximum(new.length_B - 1 - 2 * j, 0), 2 * j, key_draft, opts, vocab)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -202,6 +232,7 @@ class Structure:
   graphdef: nnx.GraphDef
   treedef: Any
   digest: int
+  cfg: ModelConfig
 
   def __hash__(self):
     return self.digest
@@ -218,30 +249,50 @@ def split(model: MTPTransformer) -> tuple[Structure, list[jax.Array]]:
   """(structure, parameter leaves): what the jitted functions below take, cheap to pass per call."""
   graphdef, params = nnx.split(model, nnx.Param)
   leaves, treedef = jax.tree.flatten(params)
-  return Structure(graphdef, treedef, hash((graphdef, treedef))), leaves
+  return Structure(graphdef, treedef, hash((graphdef, treedef)), model.cfg), leaves
+
+
+def decoding_model(structure: Structure, leaves) -> MTPTransformer:
+  """The model that decodes: with `dtype='bfloat16'` its matrices are cast once, before any loop,
+  so that every step reads half the bytes (norm scales stay f32, logits are f32 either way)."""
+  model = structure.merge(leaves)
+  dtype = jnp.dtype(model.cfg.dtype)
+  if dtype == jnp.float32:
+    return model
+  return structure.merge([x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
+                          for x in leaves])
+
+
+def _vocab(model: MTPTransformer, draft_ids_U) -> DraftVocab | None:
+  return None if draft_ids_U is None else draft_vocab(model, draft_ids_U)
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'opts'))
 def jit_prefill(structure: Structure, leaves, prompt_BxP, prompt_len_B, key,
-                opts: DecodeOptions) -> DecodeState:
+                opts: DecodeOptions, draft_ids_U=None) -> DecodeState:
   """`prefill` under jit."""
-  return prefill(structure.merge(leaves), prompt_BxP, prompt_len_B, key, opts)
+  model = decoding_model(structure, leaves)
+  return prefill(model, prompt_BxP, prompt_len_B, key, opts, _vocab(model, draft_ids_U))
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'opts'))
-def jit_steps(structure: Structure, leaves, st: DecodeState, opts: DecodeOptions, num_steps) -> DecodeState:
+def jit_steps(structure: Structure, leaves, st: DecodeState, opts: DecodeOptions, num_steps,
+              draft_ids_U=None) -> DecodeState:
   """Exactly `num_steps` steps (finished sequences ride along; one compilation for any count)."""
-  model = structure.merge(leaves)
-  return jax.lax.fori_loop(0, num_steps, lambda _, s: step(model, s, opts), st)
+  model = decoding_model(structure, leaves)
+  vocab = _vocab(model, draft_ids_U)
+  return jax.lax.fori_loop(0, num_steps, lambda _, s: step(model, s, opts, vocab), st)
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'opts'))
-def jit_generate(structure: Structure, leaves, prompt_BxP, prompt_len_B, key, opts: DecodeOptions):
+def jit_generate(structure: Structure, leaves, prompt_BxP, prompt_len_B, key, opts: DecodeOptions,
+                 draft_ids_U=None):
   """Prefill, then steps until every sequence is done: (tokens_BxS, length_B, accept_BxN or None)."""
-  model = structure.merge(leaves)
-  st = prefill(model, prompt_BxP, prompt_len_B, key, opts)
+  model = decoding_model(structure, leaves)
+  vocab = _vocab(model, draft_ids_U)
+  st = prefill(model, prompt_BxP, prompt_len_B, key, opts, vocab)
   st = jax.lax.while_loop(lambda s: (s.step < opts.max_new_tokens) & ~jnp.all(s.done_B),
-                          lambda s: step(model, s, opts), st)
+                          lambda s: step(model, s, opts, vocab), st)
   return st.tokens_BxS, st.length_B, st.accept_BxN
 
 
@@ -257,6 +308,17 @@ def pad_prompts(prompts, multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
   return prompt_BxP, lens_B
 
 
+def check_draft_vocab(ids, structure: Structure) -> np.ndarray:
+  """Draft vocabulary ids as int32, each in [0, V) and distinct; anything else raises ValueError."""
+  ids = np.asarray(ids)
+  v = structure.cfg.vocab_size
+  if ids.ndim != 1 or not len(ids) or not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f'a draft vocabulary is a non-empty 1-D array of token ids, got shape {ids.shape} {ids.dtype}')
+  if ids.min() < 0 or ids.max() >= v or len(np.unique(ids)) != len(ids):
+    raise ValueError(f'draft vocabulary ids must be distinct and in [0, {v})')
+  return ids.astype(np.int32)
+
+
 class Generation(NamedTuple):
   """What `generate` returns, per prompt."""
   tokens: list[np.ndarray]          # new tokens of each prompt (a final stop token included)
@@ -267,22 +329,24 @@ def generate(model: MTPTransformer, prompts, **kwargs) -> Generation:
   """Decode a batch of token-id prompts: plain when draft_depth == 0, else self-speculative.
 
   Keyword arguments (see `generate_split`): max_new_tokens, draft_depth (J; above K loops the
-  heads), temperature (0 = greedy), top_p, stop_tokens, seed, pad_multiple.
+  heads), temperature (0 = greedy), top_p, stop_tokens, seed, pad_multiple, draft_vocab (token
+  ids that drafts are chosen from, e.g. `frequent_tokens`; None = the whole vocabulary).
   """
   return generate_split(*split(model), prompts, **kwargs)
 
 
 def generate_split(structure: Structure, leaves, prompts, *, max_new_tokens: int, draft_depth: int = 0,
                    temperature: float = 0.0, top_p: float = 1.0, stop_tokens=(), seed: int = 0,
-                   pad_multiple: int = 16) -> Generation:
+                   pad_multiple: int = 16, draft_vocab=None) -> Generation:
   """`generate` for a model split once by `split(model)` (saves the split on every call)."""
   if max_new_tokens < 1:
     raise ValueError(f'max_new_tokens={max_new_tokens} must be >= 1')
+  draft_ids_U = None if draft_vocab is None or not draft_depth else check_draft_vocab(draft_vocab, structure)
   opts = DecodeOptions(max_new_tokens, draft_depth, float(temperature), float(top_p),
                        tuple(int(t) for t in stop_tokens))
   prompt_BxP, lens_B = pad_prompts(prompts, pad_multiple)
   tokens_BxS, length_B, accept_BxN = jax.device_get(
-      jit_generate(structure, leaves, prompt_BxP, lens_B, jax.random.key(seed), opts))
+      jit_generate(structure, leaves, prompt_BxP, lens_B, jax.random.key(seed), opts, draft_ids_U))
   tokens = [tokens_BxS[b, lens_B[b]:length_B[b]] for b in range(len(prompts))]
   accepts = [np.zeros((0,), np.int32) if accept_BxN is None else accept_BxN[b][accept_BxN[b] >= 0]
              for b in range(len(prompts))]

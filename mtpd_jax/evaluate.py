@@ -50,6 +50,15 @@ def load_prompts(path: str, field: str = 'prompt', tokenize: Callable[[str], lis
   return prompts
 
 
+def frequent_tokens(tokens, size: int) -> np.ndarray:
+  """The `size` most frequent ids of a 1-D token array, ascending: a draft vocabulary ranked by
+  frequency in the training text, as FR-Spec restricts EAGLE's drafts (ties: the smaller id)."""
+  counts = np.bincount(np.asarray(tokens).ravel())
+  if size < 1:
+    raise ValueError(f'a draft vocabulary needs size >= 1, got {size}')
+  return np.sort(np.argsort(-counts, kind='stable')[:size]).astype(np.int32)
+
+
 def _batches(prompts, batch_size: int):
   """Length-sorted batches of (indices, prompts); a short last batch repeats a prompt to keep the shape."""
   order = np.argsort([len(p) for p in prompts], kind='stable')
@@ -91,22 +100,25 @@ def timed_decode(model: MTPTransformer, prompts, settings: dict[str, dict], *, b
 
 
 def step_seconds(model: MTPTransformer, prompts, settings: dict[str, decode.DecodeOptions], *,
-                 pad_multiple: int = 64, num_steps: int = 256, repeats: int = 5) -> dict[str, float]:
+                 pad_multiple: int = 64, num_steps: int = 256, repeats: int = 5,
+                 draft_vocabs: dict | None = None) -> dict[str, float]:
   """Wall-clock seconds of one decoding step on this batch of prompts, per named setting.
 
   Times jitted loops of 8 and 8 + num_steps steps (compiled first, best of `repeats`, settings
   alternating) and divides the difference by num_steps, so dispatch and argument handling cancel.
+  `draft_vocabs` maps a setting's name to its draft vocabulary (token ids), if it has one.
   """
   structure, leaves = decode.split(model)
   prompt_BxP, lens_B = decode.pad_prompts(prompts, pad_multiple)
-  states = {name: decode.jit_prefill(structure, leaves, prompt_BxP, lens_B, jax.random.key(0), opts)
+  vocabs = {name: (draft_vocabs or {}).get(name) for name in settings}
+  states = {name: decode.jit_prefill(structure, leaves, prompt_BxP, lens_B, jax.random.key(0), opts, vocabs[name])
             for name, opts in settings.items()}
   best = {}
   for r in range(max(repeats, 1) + 1):
     for name, opts in settings.items():
       for n in (8, 8 + num_steps):
         start = time.perf_counter()
-        jax.block_until_ready(decode.jit_steps(structure, leaves, states[name], opts, n))
+        jax.block_until_ready(decode.jit_steps(structure, leaves, states[name], opts, n, vocabs[name]))
         if r:  # the first round compiles
           best[name, n] = min(best.get((name, n), math.inf), time.perf_counter() - start)
   return {name: max(best[name, 8 + num_steps] - best[name, 8], 1e-9) / num_steps for name in settings}
@@ -125,12 +137,16 @@ def _teacher_forced(model: MTPTransformer, prompts, continuations, draft_depth: 
 
 def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max_new_tokens: int,
                         batch_size: int = 8, stop_tokens=(), pad_multiple: int = 64,
-                        repeats: int = 3, timing_steps: int = 256, timing_repeats: int = 5) -> dict:
-  """Greedy speculative vs plain decoding of one prompt set: acceptance, speedups, losslessness."""
+                        repeats: int = 3, timing_steps: int = 256, timing_repeats: int = 5,
+                        draft_vocab=None) -> dict:
+  """Greedy speculative vs plain decoding of one prompt set: acceptance, speedups, losslessness.
+
+  `draft_vocab`: token ids that the drafts are chosen from (`frequent_tokens`); None = all.
+  """
   stop = tuple(int(t) for t in stop_tokens)
   runs = timed_decode(model, prompts, {'plain': dict(max_new_tokens=max_new_tokens, stop_tokens=stop),
                                        'spec': dict(max_new_tokens=max_new_tokens, stop_tokens=stop,
-                                                    draft_depth=draft_depth)},
+                                                    draft_depth=draft_depth, draft_vocab=draft_vocab)},
                       batch_size=batch_size, pad_multiple=pad_multiple, repeats=repeats)
   (plain, plain_s), (spec, spec_s) = runs['plain'], runs['spec']
   stats = metrics.acceptance_stats(np.concatenate(spec.accept_lengths), draft_depth)
@@ -138,13 +154,15 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max
   costs = step_seconds(model, next(_batches(prompts, batch_size))[1],
                        {'plain': decode.DecodeOptions(max_new_tokens, 0, stop_tokens=stop),
                         'spec': decode.DecodeOptions(max_new_tokens, draft_depth, stop_tokens=stop)},
-                       pad_multiple=pad_multiple, num_steps=timing_steps, repeats=timing_repeats)
+                       pad_multiple=pad_multiple, num_steps=timing_steps, repeats=timing_repeats,
+                       draft_vocabs={'spec': draft_vocab})
   plain_step, spec_step = costs['plain'], costs['spec']
   tf = _teacher_forced(model, prompts, plain.tokens, draft_depth)
   plain_tps, spec_tps = plain_tokens / plain_s, spec_tokens / spec_s
   return {
       **stats,
       'draft_depth': draft_depth,
+      'draft_vocab': 0 if draft_vocab is None else len(draft_vocab),
       'lossless': all(np.array_equal(a, b) for a, b in zip(plain.tokens, spec.tokens)),
       'prompts': len(prompts), 'new_tokens': spec_tokens,
       'plain_tokens_per_s': plain_tps, 'spec_tokens_per_s': spec_tps,

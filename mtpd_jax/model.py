@@ -22,7 +22,9 @@ from flax import nnx
 
 from mtpd_jax.moe import MoE, MoEConfig, summarize
 
-Cache = dict[str, jax.Array]  # one attention layer's {'k': BxSxGxE, 'v': BxSxGxE}
+# One attention layer's {'k': BxGxSxE, 'v': BxGxSxE}: kv heads before slots, the layout both attention
+# dots read directly, so a decoding step transposes no cache (docs/design.md, decoding cost).
+Cache = dict[str, jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +118,7 @@ def cache_mask(positions_BxT, cache_len: int):
 
 def init_cache(cfg: ModelConfig, batch: int, cache_len: int, num_layers: int) -> list[Cache]:
   """Zeroed KV caches for `num_layers` attention layers."""
-  shape = (batch, cache_len, cfg.num_kv_heads, cfg.head_dim)
+  shape = (batch, cfg.num_kv_heads, cache_len, cfg.head_dim)
   dtype = jnp.dtype(cfg.dtype)
   return [{'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)} for _ in range(num_layers)]
 
@@ -146,19 +148,19 @@ class Attention(nnx.Module):
     k_BxTxGxE = rope(k_BxTxGxE, positions_BxT, cfg.rope_base, cfg.rope_interleaved)
     if cache is not None:  # write this call's keys at their positions, then attend over the cache
       b_Bx1 = jnp.arange(positions_BxT.shape[0])[:, None]
-      cache = {'k': cache['k'].at[b_Bx1, positions_BxT].set(k_BxTxGxE, mode='drop'),
-               'v': cache['v'].at[b_Bx1, positions_BxT].set(v_BxTxGxE, mode='drop')}
-      k_BxSxGxE, v_BxSxGxE = cache['k'], cache['v']
+      cache = {'k': cache['k'].at[b_Bx1, :, positions_BxT].set(k_BxTxGxE, mode='drop'),
+               'v': cache['v'].at[b_Bx1, :, positions_BxT].set(v_BxTxGxE, mode='drop')}
+      k_BxGxSxE, v_BxGxSxE = cache['k'], cache['v']
     else:
-      k_BxSxGxE, v_BxSxGxE = k_BxTxGxE, v_BxTxGxE
+      k_BxGxSxE, v_BxGxSxE = k_BxTxGxE.transpose(0, 2, 1, 3), v_BxTxGxE.transpose(0, 2, 1, 3)
     b, t, h, e = q_BxTxHxE.shape
     g = cfg.num_kv_heads
     q_BxTxGxRxE = q_BxTxHxE.reshape(b, t, g, h // g, e)
-    scores_BxGxRxTxS = jnp.einsum('btgre,bsge->bgrts', q_BxTxGxRxE, k_BxSxGxE,
+    scores_BxGxRxTxS = jnp.einsum('btgre,bgse->bgrts', q_BxTxGxRxE, k_BxGxSxE,
                                   preferred_element_type=jnp.float32) / jnp.sqrt(e).astype(jnp.float32)
     scores_BxGxRxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxGxRxTxS, -1e30)
     probs_BxGxRxTxS = jax.nn.softmax(scores_BxGxRxTxS, axis=-1).astype(dt)  # softmax in f32
-    out_BxTxGxRxE = jnp.einsum('bgrts,bsge->btgre', probs_BxGxRxTxS, v_BxSxGxE)
+    out_BxTxGxRxE = jnp.einsum('bgrts,bgse->btgre', probs_BxGxRxTxS, v_BxGxSxE)
     out_BxTxD = jnp.einsum('bthe,hed->btd', out_BxTxGxRxE.reshape(b, t, h, e), self.wo[...].astype(dt))
     return out_BxTxD, cache
 
@@ -278,10 +280,17 @@ class MTPTransformer(nnx.Module):
       new_caches.append(cache)
     return x_BxTxD, (None if caches is None else new_caches), stats
 
-  def logits(self, h_BxTxD):
-    """Shared output head (final RMSNorm + unembedding), returned in f32."""
+  def unembedding(self):
+    """The output head's matrix D x V (the embedding's transpose when tied)."""
+    return self.embed[...].T if self.cfg.tie_embeddings else self.unembed[...]
+
+  def logits(self, h_BxTxD, w_DxV=None):
+    """Shared output head (final RMSNorm + unembedding), returned in f32.
+
+    `w_DxV` replaces the unembedding, e.g. by some of its columns (decoding's draft vocabulary).
+    """
     x_BxTxD = self.final_norm(h_BxTxD)
-    w_DxV = self.embed[...].T if self.cfg.tie_embeddings else self.unembed[...]
+    w_DxV = self.unembedding() if w_DxV is None else w_DxV
     return jnp.einsum('btd,dv->btv', x_BxTxD, w_DxV.astype(x_BxTxD.dtype),
                       preferred_element_type=jnp.float32)
 

@@ -1,6 +1,7 @@
 """Decoding: KV cache = recomputation, speculative greedy = plain greedy, lossless speculative sampling,
 online greedy acceptance = teacher-forced agreement chains."""
 
+import dataclasses
 import functools
 
 import jax
@@ -11,7 +12,7 @@ import scipy.stats
 from flax import nnx
 
 from benchmarks import decode_speed
-from mtpd_jax import decode, metrics, sampling
+from mtpd_jax import decode, evaluate, metrics, sampling
 from mtpd_jax.model import ModelConfig, MTPTransformer
 
 CFG = ModelConfig(vocab_size=32, dim=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
@@ -83,8 +84,11 @@ def _decode_trace(structure, leaves, prompt_BxP, prompt_len_B, opts, num_steps):
 
 @pytest.mark.parametrize('depth', [0, 3])
 def test_kv_cache_decoding_matches_full_recomputation(trained, depth):
-  """Main and draft logits of every step equal the teacher-forced looped forward (f32, 1e-4)."""
-  opts = decode.DecodeOptions(max_new_tokens=12, draft_depth=depth)
+  """Main and draft logits of every step equal the teacher-forced looped forward (f32, 1e-4).
+
+  Speculative decoding samples here (temperature 1), since only sampling keeps the draft logits.
+  """
+  opts = decode.DecodeOptions(max_new_tokens=12, draft_depth=depth, temperature=1.0 if depth else 0.0)
   prompt_BxP, lens_B = decode.pad_prompts(_prompts(), 16)
   trace, accepts_BxN = _decode_trace(*decode.split(trained), prompt_BxP, lens_B, opts, 5)
   rows = np.arange(len(lens_B))
@@ -183,3 +187,48 @@ def test_speculative_sampling_is_lossless_and_catches_wrong_rules(sampling_setup
     assert pvalue > 1e-3 and impossible == 0  # tokens outside the top-p nucleus never appear
   else:
     assert pvalue < 1e-6, f'the chi-square test misses the wrong acceptance rule {rule}'
+
+
+def test_draft_vocabulary_keeps_greedy_output_and_is_checked(models):
+  """Drafts from a subset of the vocabulary (frequent ids, or ids the drafts never need) change
+  what is accepted, never what is emitted; bad ids are refused."""
+  prompts = _prompts()
+  rows = decode_speed.synthetic_tokens(CFG.vocab_size, 32, range(64), seed=11)
+  for name, model in models.items():
+    plain = decode.generate(model, prompts, max_new_tokens=MAX_NEW, stop_tokens=STOP)
+    for ids in (evaluate.frequent_tokens(rows, 12), np.arange(0, CFG.vocab_size, 3)):
+      spec = decode.generate(model, prompts, max_new_tokens=MAX_NEW, draft_depth=3, stop_tokens=STOP,
+                             draft_vocab=ids)
+      for want, got in zip(plain.tokens, spec.tokens):
+        np.testing.assert_array_equal(got, want, err_msg=name)
+  structure, _ = decode.split(models['random'])
+  for bad in ([], [0, 0], [-1], [CFG.vocab_size], [[1, 2]], [0.5]):
+    with pytest.raises(ValueError, match='draft vocabulary'):
+      decode.check_draft_vocab(np.asarray(bad), structure)
+
+
+def test_frequent_tokens_ranks_by_count_and_returns_ascending_ids():
+  tokens = np.array([5, 5, 5, 2, 2, 9, 9, 9, 9, 1])
+  np.testing.assert_array_equal(evaluate.frequent_tokens(tokens, 2), [5, 9])
+  np.testing.assert_array_equal(evaluate.frequent_tokens(tokens, 3), [2, 5, 9])  # 2 beats 1 on count
+
+
+def test_bfloat16_speculative_greedy_equals_bfloat16_plain_greedy(trained):
+  """bf16 decoding (matrices cast once) is its own model: speculation stays lossless against it."""
+  model16 = MTPTransformer(dataclasses.replace(CFG, dtype='bfloat16'), rngs=nnx.Rngs(0))
+  nnx.update(model16, nnx.state(trained, nnx.Param))
+  prompts = _prompts()
+  plain = decode.generate(model16, prompts, max_new_tokens=MAX_NEW)
+  for vocab in (None, np.arange(CFG.vocab_size // 2)):
+    spec = decode.generate(model16, prompts, max_new_tokens=MAX_NEW, draft_depth=2, draft_vocab=vocab)
+    for want, got in zip(plain.tokens, spec.tokens):
+      np.testing.assert_array_equal(got, want)
+  assert np.mean(np.concatenate(spec.accept_lengths)) > 0.2
+
+
+def test_speculative_sampling_with_a_draft_vocabulary_is_lossless(sampling_setup):
+  """q lives on half the vocabulary (0 elsewhere); the output law is still plain sampling's."""
+  model, prompt, law = sampling_setup
+  pvalue, impossible = _chi_square(model, prompt, law, draft_depth=2, seed=2,
+                                   draft_vocab=np.array([0, 2, 3, 6]))
+  assert pvalue > 1e-3 and impossible == 0
