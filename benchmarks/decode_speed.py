@@ -1,18 +1,34 @@
-"""Tokens/s of self-speculative vs plain KV-cache greedy decoding of one briefly trained tiny model.
+"""Tokens/s of self-speculative vs plain KV-cache greedy decoding: a tiny model, or a real GGUF llama.
 
-  python -m benchmarks.decode_speed [--train_steps=300] [--depths=4,8] [--batch_size=1]
+  python -m benchmarks.decode_speed [--train_steps=300] [--depths=4,8] [--batch_sizes=1]
+  python -m benchmarks.decode_speed --model=smollm2 [--workdir=DIR] [--batch_sizes=1,8] [--draft_vocab=0]
 
-A tiny model (8 layers, width 64) with K=4 heads is first trained for a few hundred steps on the
-learnable synthetic stream of mtpd_jax.data (arithmetic progressions mod V-1, EOS between
-documents) with CE losses on the main head and every MTP head, so that the heads accept; a random
-model would accept ~0. Prompts are the openings of held-out records. Depth 4 uses each head once,
-depth 8 loops them (training-free, SPEC §4.2). Prints name=value lines and writes
-benchmarks/results/decode_speed.json.
+--model=tiny (the default): a tiny model (8 layers, width 64) with K=4 heads is first trained for
+a few hundred steps on the learnable synthetic stream of mtpd_jax.data (arithmetic progressions
+mod V-1, EOS between documents) with CE losses on the main head and every MTP head, so that the
+heads accept; a random model would accept ~0. Prompts are the openings of held-out records.
+Depth 4 uses each head once, depth 8 loops them (training-free, SPEC §4.2).
+
+--model=smollm2 (or a llama .gguf path): the checkpoint with K=--num_heads heads, restored from a
+training workdir of this project (--workdir: its trunk and trained heads), or else trained here
+briefly with the trunk frozen: Adam on the heads only, CE of head k (position i -> token i+k+1)
+over --train_steps batches of the embedded corpus in the checkpoint's tokenizer. Such heads are
+weak; this measures the decoding engine, not the method. Prompts are the built-in chat, code and
+math sets in the chat template; generation stops at the tokenizer's stop tokens. When transformers
+is installed, the same prompts are also decoded one at a time by Hugging Face's `generate` (plain
+and prompt-lookup; benchmarks/hf_generate.py) in this process, for tokens/s ratios and a
+token-for-token comparison of the greedy outputs.
+
+--draft_vocab=N drafts among the N most frequent tokens of the training text (the synthetic rows,
+or the embedded corpus); verification still uses the whole vocabulary, so decoding stays lossless.
+
+Prints name=value lines and writes benchmarks/results/decode_speed.json (a GGUF model:
+decode_speed_<name>.json), with the date and command.
 """
 
 import argparse
 import dataclasses
-import json
+import functools
 import os
 import time
 
@@ -22,97 +38,257 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mtpd_jax import data, evaluate
+from benchmarks import common
+from mtpd_jax import data, decode, evaluate
 from mtpd_jax.model import ModelConfig, MTPTransformer
 
 # An 8-layer trunk, so that a head (one block) costs about 1/8 of a trunk forward, as in real MTP models.
 TINY = ModelConfig(vocab_size=64, dim=64, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=16,
                    mlp_dim=192, num_mtp_heads=4, max_seq_len=512)
+HEADS = nnx.All(nnx.Param, nnx.PathContains('mtp_heads'))  # the MTP heads' parameters: the trunk stays frozen
+# Flags whose default depends on the model: (tiny, GGUF). depths '' = K.
+MODE_DEFAULTS = {'train_steps': (300, 60), 'train_batch': (16, 4), 'train_seq': (64, 128), 'lr': (3e-3, 5e-4),
+                 'depths': ('4,8', ''), 'batch_sizes': ('1', '1,8'), 'max_new_tokens': (128, 64),
+                 'timing_steps': (256, 32), 'timing_repeats': (5, 2)}
+PRINTED = ('tokens_per_forward', 'accept_len', 'plain_tokens_per_s', 'spec_tokens_per_s', 'plain_step_ms',
+           'spec_step_ms', 'plain_wall_ms_per_step', 'spec_wall_ms_per_step', 'verify_cost_ratio',
+           'speedup_measured', 'speedup_analytic', 'speedup_measured_over_analytic')
+
+
+def _rows(src, records) -> np.ndarray:
+  """Records of a token source as rows of seq_len+1 tokens."""
+  return np.stack([np.append(r['inputs'], r['targets'][-1]) for r in map(src.__getitem__, records)])
 
 
 def synthetic_tokens(vocab_size: int, seq_len: int, records: range, seed: int = 0) -> np.ndarray:
   """Rows of seq_len+1 tokens: records of the synthetic stream, each starting a document."""
-  src = data.SyntheticSource(vocab_size, seq_len, max(records) + 1, seed=seed)
-  return np.stack([np.append(r['inputs'], r['targets'][-1]) for r in map(src.__getitem__, records)])
+  return _rows(data.SyntheticSource(vocab_size, seq_len, max(records) + 1, seed=seed), records)
 
 
 def _xent(logits_BxTxV, targets_BxT):
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT))
 
 
+def mtp_xent(model: MTPTransformer, tokens_BxT1, *, main_head: bool = True):
+  """(loss, xent_K): the main head's CE (if `main_head`) plus each head k's, summed; xent_K per head."""
+  out = model(tokens_BxT1[:, :-1])
+  targets_BxT, t = tokens_BxT1[:, 1:], tokens_BxT1.shape[1] - 1
+  loss, xents = _xent(out.logits_BxTxV, targets_BxT) if main_head else 0.0, []
+  for k in range(1, model.cfg.num_mtp_heads + 1):  # head k at i predicts token i+k+1 = targets[i+k]
+    xents.append(_xent(out.mtp_logits_KxBxTxV[k - 1][:, :t - k], targets_BxT[:, k:]))
+    loss += xents[-1]
+  return loss, jnp.stack(xents) if xents else jnp.zeros((0,))
+
+
+def train_mtp(model: MTPTransformer, rows_NxT1, *, steps: int, batch_size: int, lr: float,
+              trainable=nnx.Param, main_head: bool = True) -> np.ndarray:
+  """Adam on the `trainable` parameters (all, or HEADS) against `mtp_xent`, in place; returns xent_SxK.
+
+  Step i reads rows i*batch_size... of `rows_NxT1` (cycling). Parameters outside `trainable`
+  enter the step as constants, so a frozen trunk gets no gradient and no optimizer state.
+  """
+  graphdef, params, frozen = nnx.split(model, trainable, ...)
+  tx = optax.adam(lr)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def train_step(params, opt_state, frozen, tokens_BxT1):
+    loss_fn = lambda p: mtp_xent(nnx.merge(graphdef, p, frozen), tokens_BxT1, main_head=main_head)
+    (_, xent_K), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, xent_K
+
+  opt_state, xents = tx.init(params), []
+  for i in range(steps):
+    batch = rows_NxT1[np.arange(i * batch_size, (i + 1) * batch_size) % len(rows_NxT1)]
+    params, opt_state, xent_K = train_step(params, opt_state, frozen, batch)
+    xents.append(xent_K)
+  nnx.update(model, params)
+  return np.asarray(jax.device_get(xents)).reshape(steps, model.cfg.num_mtp_heads)
+
+
 def train_tiny(cfg: ModelConfig = TINY, *, steps: int = 300, batch_size: int = 16, seq_len: int = 64,
                lr: float = 3e-3, seed: int = 0) -> MTPTransformer:
   """A model trained with CE on the main head and on every head k (position i -> token i+k+1)."""
   model = MTPTransformer(cfg, rngs=nnx.Rngs(seed))
-  graphdef, params = nnx.split(model, nnx.Param)
-  tx = optax.adam(lr)
-
-  @jax.jit
-  def train_step(params, opt_state, tokens_BxT1):
-    def loss_fn(params):
-      out = nnx.merge(graphdef, params)(tokens_BxT1[:, :-1])
-      targets_BxT, t = tokens_BxT1[:, 1:], tokens_BxT1.shape[1] - 1
-      loss = _xent(out.logits_BxTxV, targets_BxT)
-      for k in range(1, cfg.num_mtp_heads + 1):  # head k at i predicts token i+k+1 = targets[i+k]
-        loss += _xent(out.mtp_logits_KxBxTxV[k - 1][:, :t - k], targets_BxT[:, k:])
-      return loss
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  opt_state = tx.init(params)
-  tokens = synthetic_tokens(cfg.vocab_size, seq_len, range(steps * batch_size), seed)
-  for i in range(steps):
-    params, opt_state, _ = train_step(params, opt_state, tokens[i * batch_size:(i + 1) * batch_size])
-  nnx.update(model, params)
+  rows = synthetic_tokens(cfg.vocab_size, seq_len, range(steps * batch_size), seed)
+  train_mtp(model, rows, steps=steps, batch_size=batch_size, lr=lr)
   return model
+
+
+def _tiny_setup(args):
+  """(model, prompt sets, stop tokens, pad multiple, draft-vocabulary source tokens, info)."""
+  cfg = dataclasses.replace(TINY, num_layers=args.num_layers)
+  start = time.perf_counter()
+  model = train_tiny(cfg, steps=args.train_steps, batch_size=args.train_batch, seq_len=args.train_seq,
+                     lr=args.lr, seed=args.seed)
+  info = {'train_s': time.perf_counter() - start}
+  rows = synthetic_tokens(cfg.vocab_size, args.prompt_len, range(args.num_prompts), seed=1_000_003)
+  train_rows = lambda: synthetic_tokens(cfg.vocab_size, args.train_seq, range(args.train_steps * args.train_batch),
+                                        args.seed)
+  return model, {'synthetic': list(rows[:, :args.prompt_len])}, (), 16, train_rows, info
+
+
+def _gguf_setup(args):
+  """(model, prompt sets, stop tokens, pad multiple, draft-vocabulary source tokens, info) of a GGUF llama."""
+  from mtpd_jax import corpus, gguf_llama, prompts, train  # pylint: disable=import-outside-toplevel
+  path = gguf_llama.resolve(args.model)
+  tok = gguf_llama.load_tokenizer(args.model)
+  embedded = functools.cache(lambda: corpus.prepare_embedded(
+      args.cache_dir or None, max_chars=args.train_chars, code_fraction=args.code_fraction, tokenizer=args.model))
+  tokens = lambda: np.load(embedded().train_tokens_path)
+  info, start = {'file': os.path.basename(path)}, time.perf_counter()
+  if args.workdir:
+    model, config = train.restore_model(args.workdir)
+    gguf_llama.check_model_config(config.model.to_dict(), args.model)
+    info['workdir'] = args.workdir
+  else:
+    model = gguf_llama.load_model(args.model, num_mtp_heads=args.num_heads, seed=args.seed)
+    info['load_s'] = time.perf_counter() - start
+    src = data.PackedTokens(embedded().train_tokens_path, args.train_seq, embedded().eos_id, model.cfg.vocab_size)
+    order = np.random.default_rng(args.seed).permutation(len(src))
+    rows = _rows(src, order[np.arange(args.train_steps * args.train_batch) % len(src)])
+    start = time.perf_counter()
+    xent_SxK = train_mtp(model, rows, steps=args.train_steps, batch_size=args.train_batch, lr=args.lr,
+                         trainable=HEADS, main_head=False)
+    info.update(train_s=time.perf_counter() - start, train_tokens=int(rows.size), corpus_tokens=embedded().num_tokens)
+    if len(xent_SxK):  # the last tenth of the steps: less batch noise
+      info.update(train_xent_first=xent_SxK[0].tolist(),
+                  train_xent_last=xent_SxK[-max(1, len(xent_SxK) // 10):].mean(0).tolist())
+  sets = {name: prompts.load_prompt_set(name, tokenizer=tok, max_prompts=args.num_prompts,
+                                        max_prompt_tokens=args.max_prompt_tokens, chat_template=True)
+          for name in args.prompt_sets.split(',')}
+  return model, sets, tok.stop_ids, 64, tokens, info
+
+
+def hf_side_by_side(model: MTPTransformer, path: str, sets: dict, b1: dict, *, stop, pad_multiple: int,
+                    args) -> dict:
+  """HF transformers (plain, prompt lookup) against our batch-1 results `b1` (set -> result) on the same prompts.
+
+  Our plain greedy outputs are decoded once more here (the same call as the timed one) for the
+  token-for-token comparison and to count the tokens behind our plain tokens/s.
+  """
+  from benchmarks import hf_generate  # pylint: disable=import-outside-toplevel
+  everything = [p for ps in sets.values() for p in ps]
+  hf = hf_generate.timed_generate(path, everything, max_new_tokens=args.max_new_tokens, stop_tokens=stop,
+                                  repeats=args.repeats, lookup_tokens=args.lookup_tokens)
+  structure, leaves = decode.split(model)
+  ours = [decode.generate_split(structure, leaves, [p], max_new_tokens=args.max_new_tokens, stop_tokens=stop,
+                                pad_multiple=pad_multiple).tokens[0] for p in everything]
+  plain_tokens, plain_s, spec_tokens, spec_s, i = 0, 0.0, 0, 0.0, 0
+  for name, ps in sets.items():  # seconds of each set's timed runs, recovered from its tokens/s
+    n, r = sum(map(len, ours[i:i + len(ps)])), b1[name]
+    plain_tokens, plain_s = plain_tokens + n, plain_s + n / r['plain_tokens_per_s']
+    spec_tokens, spec_s = spec_tokens + r['new_tokens'], spec_s + r['new_tokens'] / r['spec_tokens_per_s']
+    i += len(ps)
+  equal = lambda a, b: len(a) == len(b) and bool(np.all(a == b))
+  prefix = lambda a, b: int(np.argmin(np.append(a[:len(b)] == b[:len(a)], False)))
+  hf_plain, hf_lookup = hf['plain']['tokens'], hf['lookup']['tokens']
+  ours_plain_tps, ours_spec_tps = plain_tokens / plain_s, spec_tokens / spec_s
+  return {
+      'hf_prompts': len(everything), 'hf_load_s': hf['load_s'], 'hf_threads': hf['threads'],
+      'hf_plain_tokens_per_s': hf['plain']['tokens_per_s'], 'hf_lookup_tokens_per_s': hf['lookup']['tokens_per_s'],
+      'ours_plain_tokens_per_s': ours_plain_tps, 'ours_spec_tokens_per_s': ours_spec_tps,
+      'ours_plain_over_hf_plain': ours_plain_tps / hf['plain']['tokens_per_s'],
+      'ours_spec_over_hf_plain': ours_spec_tps / hf['plain']['tokens_per_s'],
+      'ours_spec_over_hf_lookup': ours_spec_tps / hf['lookup']['tokens_per_s'],
+      'hf_greedy_equal': sum(map(equal, ours, hf_plain)),  # f32 on both sides, but not bitwise: reported, not asserted
+      'hf_greedy_common_prefix_mean': float(np.mean([prefix(a, b) for a, b in zip(ours, hf_plain)])),
+      'hf_lookup_equal_hf_plain': sum(map(equal, hf_lookup, hf_plain)),
+      'hf_new_tokens': sum(map(len, hf_plain)), 'ours_new_tokens': plain_tokens,
+  }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--train_steps', type=int, default=300, help='Adam steps on the synthetic stream')
-  p.add_argument('--depths', default='4,8', help='draft depths to benchmark (> K loops the heads)')
-  p.add_argument('--num_layers', type=int, default=TINY.num_layers, help='trunk layers (a head: 1 block)')
-  p.add_argument('--num_prompts', type=int, default=8, help='held-out prompts')
-  p.add_argument('--prompt_len', type=int, default=12, help='tokens per prompt')
-  p.add_argument('--batch_size', type=int, default=1, help='prompts decoded together')
-  p.add_argument('--max_new_tokens', type=int, default=128, help='new tokens per prompt')
+  p.add_argument('--model', default='tiny', help="'tiny', 'smollm2' or a llama .gguf path")
+  p.add_argument('--workdir', default='', help='GGUF: a training workdir whose trunk and heads are restored')
+  p.add_argument('--num_heads', type=int, default=4, help='GGUF: K heads trained here (a --workdir brings its own)')
+  p.add_argument('--train_steps', type=int, help='Adam steps (tiny: 300 on the synthetic stream, GGUF: 60)')
+  p.add_argument('--train_batch', type=int, help='rows per step (tiny: 16, GGUF: 4)')
+  p.add_argument('--train_seq', type=int, help='tokens per row (tiny: 64, GGUF: 128)')
+  p.add_argument('--lr', type=float, help='Adam learning rate (tiny: 3e-3, GGUF: 5e-4)')
+  p.add_argument('--train_chars', type=int, default=2_000_000, help='GGUF: embedded corpus size in characters')
+  p.add_argument('--code_fraction', type=float, default=0.25, help='GGUF: share of the corpus that is Python')
+  p.add_argument('--cache_dir', default='', help="GGUF: embedded corpus cache ('' = ~/.cache/mtpd_jax)")
+  p.add_argument('--seed', type=int, default=0, help='initialisation and training-data order')
+  p.add_argument('--num_layers', type=int, default=TINY.num_layers, help='tiny: trunk layers (a head: 1 block)')
+  p.add_argument('--depths', help='draft depths to benchmark (> K loops the heads; tiny: 4,8, GGUF: K)')
+  p.add_argument('--batch_sizes', help='prompts decoded together (tiny: 1, GGUF: 1,8)')
+  p.add_argument('--prompt_sets', default='chat,code,math', help='GGUF: built-in prompt sets')
+  p.add_argument('--num_prompts', type=int, default=8, help='prompts (tiny: held-out records; GGUF: per set)')
+  p.add_argument('--prompt_len', type=int, default=12, help='tiny: tokens per prompt')
+  p.add_argument('--max_prompt_tokens', type=int, default=256, help='GGUF: longest prompt, chat template included')
+  p.add_argument('--max_new_tokens', type=int, help='new tokens per prompt (tiny: 128, GGUF: 64)')
+  p.add_argument('--draft_vocab', type=int, default=0,
+                 help='draft among the N most frequent training tokens (0 = the whole vocabulary)')
   p.add_argument('--repeats', type=int, default=3, help='timed passes (the best counts)')
-  p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results', 'decode_speed.json'))
-  return p.parse_args(argv)
+  p.add_argument('--timing_steps', type=int, help='steps of the per-step cost loops (tiny: 256, GGUF: 32)')
+  p.add_argument('--timing_repeats', type=int, help='repeats of the per-step cost loops (tiny: 5, GGUF: 2)')
+  p.add_argument('--hf', action=argparse.BooleanOptionalAction, default=True,
+                 help='GGUF: also time Hugging Face transformers at batch 1 (if installed)')
+  p.add_argument('--lookup_tokens', type=int, default=10, help="HF: prompt_lookup_num_tokens")
+  p.add_argument('--out', default='', help='results JSON (default benchmarks/results/decode_speed[_<model>].json)')
+  args = p.parse_args(argv)
+  gguf = args.model != 'tiny'
+  for name, values in MODE_DEFAULTS.items():
+    if getattr(args, name) is None:
+      setattr(args, name, values[gguf])
+  if args.workdir and not gguf:
+    p.error('--workdir needs a GGUF --model (smollm2 or a .gguf path)')
+  if args.out and not args.out.endswith('.json'):
+    p.error(f'--out={args.out} must name a .json file')
+  if not args.out:
+    name = 'smollm2' if args.model == 'smollm2' else os.path.splitext(os.path.basename(args.model))[0]
+    args.out = os.path.join(common.RESULTS_DIR, 'decode_speed.json' if not gguf else f'decode_speed_{name}.json')
+  return args
+
+
+def _print(prefix: str, r: dict) -> None:
+  for key in PRINTED:
+    if key in r:
+      print(f'{prefix}/{key}={r[key]:.4g}')
+  print(f"{prefix}/lossless={r['lossless']}")
+  print(f"{prefix}/car=" + ','.join(f'{x:.3f}' for x in r['car']))
+  print(f"{prefix}/ar=" + ','.join(f'{x:.3f}' for x in r['ar']))
 
 
 def main(args: argparse.Namespace) -> dict:
-  cfg = dataclasses.replace(TINY, num_layers=args.num_layers)
-  start = time.perf_counter()
-  model = train_tiny(cfg, steps=args.train_steps)
-  train_s = time.perf_counter() - start
-  rows = synthetic_tokens(cfg.vocab_size, args.prompt_len, range(args.num_prompts), seed=1_000_003)
-  prompts = list(rows[:, :args.prompt_len])
-  results = {**{k: v for k, v in vars(args).items() if k != 'out'}, 'train_s': train_s,
-             'device': str(jax.devices()[0]), 'model': cfg.__dict__, 'depths': {}}
-  for depth in map(int, args.depths.split(',')):
-    r = evaluate.evaluate_prompt_set(model, prompts, draft_depth=depth, max_new_tokens=args.max_new_tokens,
-                                     batch_size=args.batch_size, pad_multiple=16, repeats=args.repeats)
-    r['speedup_measured_over_analytic'] = r['speedup_measured'] / r['speedup_analytic']
-    if args.batch_size == 1:  # where the time goes: per step of the timed runs, prefill and calls included
-      plain_s, spec_s = (r['new_tokens'] / r[f'{m}_tokens_per_s'] for m in ('plain', 'spec'))
-      r['plain_wall_ms_per_step'] = 1e3 * plain_s / (r['new_tokens'] - len(prompts))  # prefill emits one
-      r['spec_wall_ms_per_step'] = 1e3 * spec_s / r['steps']
-    results['depths'][depth] = r
-    for key in ('tokens_per_forward', 'accept_len', 'plain_tokens_per_s', 'spec_tokens_per_s',
-                'plain_step_ms', 'spec_step_ms', 'plain_wall_ms_per_step', 'spec_wall_ms_per_step',
-                'verify_cost_ratio', 'speedup_measured', 'speedup_analytic',
-                'speedup_measured_over_analytic'):
-      if key in r:
-        print(f'depth{depth}/{key}={r[key]:.4g}')
-    print(f"depth{depth}/lossless={r['lossless']}")
-    print(f"depth{depth}/car=" + ','.join(f'{x:.3f}' for x in r['car']))
-    print(f"depth{depth}/ar=" + ','.join(f'{x:.3f}' for x in r['ar']))
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, 'w') as f:
-    json.dump(evaluate.json_ready(results), f, indent=2)
-  print(f'wrote {args.out}')
+  gguf = args.model != 'tiny'
+  model, sets, stop, pad, train_tokens, info = (_gguf_setup if gguf else _tiny_setup)(args)
+  vocab = evaluate.frequent_tokens(np.ravel(train_tokens()), args.draft_vocab) if args.draft_vocab else None
+  depths = [int(d) for d in args.depths.split(',')] if args.depths else [model.cfg.num_mtp_heads]
+  batch_sizes = [int(b) for b in args.batch_sizes.split(',')]
+  results = {'model': args.model, 'num_heads': model.cfg.num_mtp_heads, **info, 'args': vars(args),
+             'model_config': dataclasses.asdict(model.cfg), 'sets': {}}
+  for name, prompts in sets.items():
+    for b in batch_sizes:
+      for depth in depths:
+        r = evaluate.evaluate_prompt_set(model, prompts, draft_depth=depth, max_new_tokens=args.max_new_tokens,
+                                         batch_size=b, stop_tokens=stop, pad_multiple=pad, repeats=args.repeats,
+                                         timing_steps=args.timing_steps, timing_repeats=args.timing_repeats,
+                                         draft_vocab=vocab)
+        r['speedup_measured_over_analytic'] = r['speedup_measured'] / r['speedup_analytic']
+        if b == 1:  # where the time goes: per step of the timed runs, prefill and calls included
+          plain_s, spec_s = (r['new_tokens'] / r[f'{m}_tokens_per_s'] for m in ('plain', 'spec'))
+          r['plain_wall_ms_per_step'] = 1e3 * plain_s / max(r['new_tokens'] - len(prompts), 1)  # prefill emits one
+          r['spec_wall_ms_per_step'] = 1e3 * spec_s / max(r['steps'], 1)
+        results['sets'].setdefault(name, {}).setdefault(f'b{b}', {})[f'depth{depth}'] = r
+        _print(f'{name}/b{b}/depth{depth}', r)
+  if gguf and args.hf:
+    from benchmarks import hf_generate  # pylint: disable=import-outside-toplevel
+    if 1 not in batch_sizes:
+      results['hf'] = 'skipped: the comparison is at batch 1, which --batch_sizes leaves out'
+    elif not hf_generate.available():
+      results['hf'] = 'skipped: transformers or torch is not installed (requirements-hf.txt)'
+    else:
+      from mtpd_jax import gguf_llama  # pylint: disable=import-outside-toplevel
+      b1 = {name: results['sets'][name]['b1'][f'depth{depths[0]}'] for name in sets}
+      results.update(hf_side_by_side(model, gguf_llama.resolve(args.model), sets, b1, stop=stop,
+                                     pad_multiple=pad, args=args))
+    if isinstance(results.get('hf'), str):
+      print(f"hf={results['hf']}")
+  out = os.path.abspath(args.out)
+  common.write_results(os.path.splitext(os.path.basename(out))[0], results, os.path.dirname(out))
   return results
 
 

@@ -1,0 +1,69 @@
+"""Hugging Face transformers' greedy `generate` on token-id prompts, plain and with prompt-lookup decoding.
+
+The reference for benchmarks/decode_speed.py: the same GGUF checkpoint, loaded by transformers as
+benchmarks/hf_parity.py does (f32, offline), decoding one prompt at a time on all of PyTorch's CPU
+threads. Prompt-lookup decoding (`prompt_lookup_num_tokens`) drafts by matching the last n-gram
+against the prompt and verifies greedily, so it is transformers' own lossless draft-free speed-up.
+"""
+
+import math
+import os
+import time
+
+os.environ.setdefault('HF_HUB_OFFLINE', '1')  # never reach a hub: the GGUF file is local
+
+import numpy as np
+
+from benchmarks.hf_parity import hf_load
+
+
+def available() -> bool:
+  """Whether torch and transformers import here."""
+  try:
+    import torch  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    import transformers  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    return False
+  return True
+
+
+def timed_generate(path: str, prompts, *, max_new_tokens: int, stop_tokens, repeats: int = 3,
+                   lookup_tokens: int = 10) -> dict:
+  """New tokens of every prompt and tokens/s, for 'plain' and 'lookup' greedy decoding at batch 1.
+
+  One untimed call of each setting warms up; then `repeats` passes over all prompts alternate
+  between the settings, and a setting's time is the sum over prompts of each prompt's best, as
+  mtpd_jax.evaluate.timed_decode times ours. Generation stops at any of `stop_tokens` (kept in
+  the output, as ours keeps it) or after `max_new_tokens`.
+  """
+  import torch  # pylint: disable=import-outside-toplevel
+  torch.set_num_threads(os.cpu_count())
+  start = time.perf_counter()
+  _, model = hf_load(path)
+  load_s = time.perf_counter() - start
+  stop = [int(t) for t in stop_tokens]
+  settings = {'plain': {}, 'lookup': {'prompt_lookup_num_tokens': lookup_tokens}}
+
+  def run(prompt, kwargs):
+    ids_1xP = torch.tensor(np.asarray(prompt, np.int64)[None])
+    start = time.perf_counter()
+    with torch.inference_mode():
+      out_1xS = model.generate(ids_1xP, attention_mask=torch.ones_like(ids_1xP), max_new_tokens=max_new_tokens,
+                               do_sample=False, eos_token_id=stop or None,
+                               pad_token_id=stop[0] if stop else None, **kwargs)
+    return out_1xS[0, ids_1xP.shape[1]:].numpy().astype(np.int32), time.perf_counter() - start
+
+  for kwargs in settings.values():
+    run(prompts[0], kwargs)
+  tokens, best = {}, {}
+  for _ in range(max(repeats, 1)):
+    for name, kwargs in settings.items():
+      for i, prompt in enumerate(prompts):
+        tokens[name, i], seconds = run(prompt, kwargs)
+        best[name, i] = min(best.get((name, i), math.inf), seconds)
+  out = {'load_s': load_s, 'threads': torch.get_num_threads()}
+  for name in settings:
+    toks = [tokens[name, i] for i in range(len(prompts))]
+    seconds = sum(best[name, i] for i in range(len(prompts)))
+    out[name] = {'tokens': toks, 'seconds': seconds, 'tokens_per_s': sum(map(len, toks)) / seconds}
+  return out

@@ -1,0 +1,117 @@
+"""benchmarks/decode_speed.py runs end to end in a quick mode (tiny model; a fake GGUF llama) and reports sane values."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from benchmarks import decode_speed, hf_generate
+
+QUICK = ['--num_prompts=2', '--max_new_tokens=8', '--repeats=1', '--timing_steps=4', '--timing_repeats=1']
+
+
+def _check_run(r: dict, depth: int) -> None:
+  """One evaluate_prompt_set result: lossless, acceptance rates in [0, 1], at least one token per forward."""
+  assert r['lossless'] is True
+  assert len(r['ar']) == len(r['car']) == depth
+  rates = [x for x in r['ar'] + r['car'] if x is not None and not math.isnan(x)]  # nan (None in JSON): no chains
+  assert rates and all(0.0 <= x <= 1.0 for x in rates), (r['ar'], r['car'])
+  assert 1.0 <= r['tokens_per_forward'] <= depth + 1
+  assert r['plain_tokens_per_s'] > 0 and r['spec_tokens_per_s'] > 0
+
+
+def test_tiny_quick(tmp_path):
+  out = tmp_path / 'decode_speed.json'
+  results = decode_speed.main(decode_speed.parse_args(
+      QUICK + ['--train_steps=20', '--depths=4,6', f'--out={out}']))
+  saved = json.loads(out.read_text())
+  assert set(saved) >= {'model', 'num_heads', 'train_s', 'args', 'model_config', 'sets', 'meta'}
+  assert saved['meta']['command'] and saved['meta']['date'].startswith('20')
+  assert list(saved['sets']) == ['synthetic'] and list(saved['sets']['synthetic']) == ['b1']
+  for depth in (4, 6):  # depth 6 loops heads 1 and 2 again
+    r = saved['sets']['synthetic']['b1'][f'depth{depth}']
+    _check_run(r, depth)
+    assert r['new_tokens'] == 2 * 8  # no stop tokens in the tiny mode
+  assert results['sets']['synthetic']['b1']['depth4']['lossless'] is True
+
+
+def test_parse_args_fills_per_model_defaults():
+  tiny = decode_speed.parse_args([])
+  assert (tiny.train_steps, tiny.depths, tiny.batch_sizes, tiny.out.endswith('results/decode_speed.json')) == (
+      300, '4,8', '1', True)
+  real = decode_speed.parse_args(['--model=smollm2', '--train_steps=7'])
+  assert (real.train_steps, real.train_batch, real.train_seq, real.depths, real.batch_sizes) == (7, 4, 128, '', '1,8')
+  assert real.out.endswith('results/decode_speed_smollm2.json')
+  with pytest.raises(SystemExit):
+    decode_speed.parse_args(['--workdir=somewhere'])  # a workdir needs a GGUF model
+
+
+@pytest.fixture(scope='module')
+def fake_gguf(tmp_path_factory):
+  pytest.importorskip('gguf')
+  from tests.gguf_test import write_fake_gguf  # pylint: disable=import-outside-toplevel
+  path = tmp_path_factory.mktemp('gguf') / 'tiny.gguf'
+  write_fake_gguf(path)
+  return str(path)
+
+
+def test_heads_only_training_moves_the_heads_and_leaves_the_trunk_bitwise(fake_gguf):
+  from mtpd_jax import gguf_llama  # pylint: disable=import-outside-toplevel
+  model = gguf_llama.load_model(fake_gguf, num_mtp_heads=2)
+  before = {gguf_llama._key(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+  rows = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (8, 17))
+  xent_SxK = decode_speed.train_mtp(model, rows, steps=3, batch_size=4, lr=1e-2, trainable=decode_speed.HEADS,
+                                    main_head=False)
+  assert xent_SxK.shape == (3, 2) and np.all(np.isfinite(xent_SxK))
+  after = {gguf_llama._key(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+  for key, x in after.items():
+    if key[0] == 'mtp_heads':
+      assert not np.array_equal(x, before[key]), key
+    else:
+      np.testing.assert_array_equal(x, before[key], err_msg=str(key))
+
+
+def test_gguf_quick_with_hf_side_by_side(fake_gguf, tmp_path):
+  hf = hf_generate.available()
+  out = tmp_path / 'decode_speed_fake.json'
+  decode_speed.main(decode_speed.parse_args(
+      QUICK + [f'--model={fake_gguf}', f'--cache_dir={tmp_path / "cache"}', '--train_chars=20000',
+               '--train_steps=3', '--train_batch=2', '--train_seq=16', '--max_prompt_tokens=48',
+               '--num_heads=2', '--batch_sizes=1,2', '--prompt_sets=chat,code', '--draft_vocab=64',
+               '--hf' if hf else '--no-hf', f'--out={out}']))
+  saved = json.loads(out.read_text())
+  assert saved['num_heads'] == 2 and saved['file'] == 'tiny.gguf' and saved['train_tokens'] == 3 * 2 * 17
+  assert len(saved['train_xent_first']) == len(saved['train_xent_last']) == 2
+  for name in ('chat', 'code'):
+    for b in ('b1', 'b2'):
+      r = saved['sets'][name][b]['depth2']  # depth K by default; drafts from the 64 most frequent tokens
+      _check_run(r, 2)
+      assert r['prompts'] == 2 and 0 < r['new_tokens'] <= 2 * 8
+  if hf:
+    assert saved['hf_prompts'] == 4 and 0 <= saved['hf_greedy_equal'] <= 4
+    assert 0 <= saved['hf_lookup_equal_hf_plain'] <= 4
+    for key in ('hf_plain_tokens_per_s', 'hf_lookup_tokens_per_s', 'ours_plain_tokens_per_s', 'ours_spec_tokens_per_s',
+                'ours_plain_over_hf_plain', 'ours_spec_over_hf_plain', 'ours_spec_over_hf_lookup'):
+      assert saved[key] > 0 and math.isfinite(saved[key]), key
+    assert saved['ours_new_tokens'] == sum(saved['sets'][n]['b1']['depth2']['new_tokens'] for n in ('chat', 'code'))
+
+
+def test_gguf_workdir_brings_its_own_trained_heads(fake_gguf, tmp_path):
+  from mtpd_jax import train  # pylint: disable=import-outside-toplevel
+  from tests.conftest import small_config  # pylint: disable=import-outside-toplevel
+  from tests.gguf_test import FAKE  # pylint: disable=import-outside-toplevel
+  c = small_config(num_heads=3, steps=2)
+  c.model.update({**FAKE, 'max_seq_len': 32})
+  c.distill.top_n, c.eval.enabled = 16, False
+  c.train.init_from, c.train.trainable = fake_gguf, 'mtp_heads'
+  c.mesh.shape = (1, 1, 1)
+  train.train_and_evaluate(c, str(tmp_path / 'run'), progress=False)
+  saved = decode_speed.main(decode_speed.parse_args(
+      QUICK + [f'--model={fake_gguf}', f'--workdir={tmp_path / "run"}', '--max_prompt_tokens=32',
+               '--batch_sizes=1', '--prompt_sets=math', '--no-hf', f'--out={tmp_path / "out.json"}']))
+  assert saved['num_heads'] == 3 and saved['workdir'] == str(tmp_path / 'run')  # not --num_heads' default 4
+  assert 'train_s' not in saved  # nothing was trained here
+  _check_run(saved['sets']['math']['b1']['depth3'], 3)
