@@ -43,3 +43,22 @@ def test_train_efficiency_quick(tmp_path):
   assert r['flops_fraction'] == r['fused/flops_fraction']
   for key in ('logits/flops_fraction', 'fused/flops_fraction'):
     assert 0 < r[key] and math.isfinite(r[key])
+
+
+def test_decode_cost_quick(tmp_path):
+  """The decoding cost benchmark on a tiny random model: every key, parts and bytes that add up."""
+  from benchmarks import decode_cost  # pylint: disable=import-outside-toplevel
+  decode_cost.main(decode_cost.parse_args(
+      ['--model=tiny', '--batch_sizes=1', '--depths=1,4', '--draft_vocab=64', '--steps=4', '--repeats=1',
+       f'--results_dir={tmp_path}']))
+  r = _read(tmp_path / 'decode_cost.json')
+  for key in ('spec_over_plain_j1', 'spec_over_plain_j4', 'plain_over_bound', 'read_gb_per_s'):
+    assert math.isfinite(r[key]) and r[key] > 0, key
+  row = r['batches']['1']
+  assert set(row) == {'j0', 'j1', 'j4', 'j4_draft_vocab'}
+  for name, x in row.items():
+    assert x['bytes']['total'] == sum(v for k, v in x['bytes'].items() if k != 'total')
+    assert x['parts_ms']['verify_trunk'] > 0 and x['parts_ms']['verify_logits'] > 0
+  # A draft vocabulary of 64 of 256 ids reads a quarter of the draft unembedding.
+  assert row['j4_draft_vocab']['bytes']['drafts'] < row['j4']['bytes']['drafts']
+  assert row['j0']['bytes']['drafts'] == 0

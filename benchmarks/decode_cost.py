@@ -1,0 +1,175 @@
+"""Where a decoding step's time goes, against the time of reading the bytes it must read.
+
+  python -m benchmarks.decode_cost [--model=smollm2|tiny|PATH.gguf] [--batch_sizes=1,8] [--depths=0,1,2,4,8]
+
+For each batch size, every draft depth J is timed side by side in one process (`evaluate.step_seconds`:
+jitted loops of steps, settings alternating, best of repeats), J = 0 being plain decoding. The parts
+of a step are then jitted and timed alone at the same shapes: the verify trunk (J+1 positions over
+the KV cache), the verify logits (J+1 rows), one draft depth's head block (a 2J-position window) and
+its logits (one row; over the draft vocabulary with --draft_vocab). `rest` is the step less those parts
+(state bookkeeping, cache writes, masks, sampling). Heads are random: only costs are measured.
+
+The memory bound: at batch 1 a step reads the trunk, the unembedding once per verified batch of rows
+and once per draft depth, each head block once, and the KV caches. `read_gb_per_s` is measured in this
+process (the best of a jitted sum and numpy's sum over 512 MB), so `plain_over_bound` is the plain
+step over the time of reading its bytes at that rate. Headline keys: spec_over_plain_j1,
+spec_over_plain_j4 (batch 1), plain_over_bound. Writes benchmarks/results/decode_cost.json.
+"""
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks import common
+from mtpd_jax import decode, evaluate, gguf_llama
+from mtpd_jax.model import ModelConfig, MTPTransformer, cache_mask, init_cache
+
+TINY = ModelConfig(vocab_size=256, dim=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+                   mlp_dim=192, num_mtp_heads=4, max_seq_len=512)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--model', default='smollm2', help="'smollm2', a llama .gguf path, or 'tiny' (a quick check)")
+  p.add_argument('--num_heads', type=int, default=4, help='K random MTP heads (depths above K loop them)')
+  p.add_argument('--batch_sizes', default='1,8')
+  p.add_argument('--depths', default='0,1,2,4,8', help='draft depths J; 0 = plain (always timed)')
+  p.add_argument('--prompt_len', type=int, default=64, help='prompt tokens (the cache holds these + new)')
+  p.add_argument('--max_new_tokens', type=int, default=128)
+  p.add_argument('--draft_vocab', type=int, default=0, help='also time J=4 with drafts over the V\' lowest ids')
+  p.add_argument('--steps', type=int, default=32, help='timed steps per loop')
+  p.add_argument('--repeats', type=int, default=3)
+  common.add_results_dir_arg(p)
+  return p.parse_args(argv)
+
+
+def _best_ms(f, *args, repeats: int = 5) -> float:
+  jax.block_until_ready(f(*args))
+  best = float('inf')
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    best = min(best, time.perf_counter() - start)
+  return 1e3 * best
+
+
+def read_gb_per_s(mbytes: int = 512) -> float:
+  """The fastest of a jitted jnp.sum and numpy's sum over `mbytes` of f32: this machine's read rate."""
+  x = np.ones(mbytes * 2 ** 20 // 4, np.float32)
+  xj = jnp.asarray(x)
+  jit_ms = _best_ms(jax.jit(jnp.sum), xj)
+  start, best = time.perf_counter(), float('inf')
+  for _ in range(3):
+    start = time.perf_counter()
+    x.sum()
+    best = min(best, time.perf_counter() - start)
+  return x.nbytes / min(jit_ms / 1e3, best) / 1e9
+
+
+def _nbytes(tree) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def parts_ms(model: MTPTransformer, b: int, j: int, s: int, vocab_size: int, repeats: int) -> dict:
+  """Milliseconds of each part of one step at batch b, depth j and cache length s, jitted alone."""
+  structure, leaves = decode.split(model)
+  cfg = model.cfg
+  pos0 = s // 2  # a cache half full
+  caches = init_cache(cfg, b, s, cfg.num_layers)
+
+  @jax.jit
+  def verify_trunk(leaves, caches):
+    pos_BxT = jnp.broadcast_to(pos0 + jnp.arange(j + 1), (b, j + 1))
+    return structure.merge(leaves).trunk(jnp.ones((b, j + 1), jnp.int32), pos_BxT, cache_mask(pos_BxT, s), caches)
+
+  @jax.jit
+  def logits(leaves, h_BxTxD, cols):
+    model = structure.merge(leaves)
+    return model.logits(h_BxTxD, None if cols is None else jnp.take(model.unembedding(), cols, axis=1))
+
+  out = {'verify_trunk': _best_ms(verify_trunk, leaves, caches, repeats=repeats),
+         'verify_logits': _best_ms(logits, leaves, jnp.ones((b, j + 1, cfg.dim)), None, repeats=repeats)}
+  if j:
+    w = 2 * j
+    head_cache = init_cache(cfg, b, s, 1)[0]
+
+    @jax.jit
+    def draft_block(leaves, cache):
+      pos_BxW = jnp.broadcast_to(pos0 - w + jnp.arange(w), (b, w))
+      return structure.merge(leaves).mtp_head(1, jnp.ones((b, w, cfg.dim)), jnp.ones((b, w), jnp.int32),
+                                              pos_BxW, cache_mask(pos_BxW, s), cache)
+    cols = None if vocab_size >= cfg.vocab_size else jnp.arange(vocab_size)
+    out['draft_block_per_depth'] = _best_ms(draft_block, leaves, head_cache, repeats=repeats)
+    out['draft_logits_per_depth'] = _best_ms(logits, leaves, jnp.ones((b, 1, cfg.dim)), cols, repeats=repeats)
+  return out
+
+
+def step_bytes(model: MTPTransformer, b: int, j: int, s: int, draft_vocab: int) -> dict:
+  """Bytes a step must read: trunk, unembedding (verify), per depth a head block and draft columns, KV caches."""
+  cfg = model.cfg
+  params = nnx.state(model, nnx.Param)
+  unembed = cfg.dim * cfg.vocab_size * 4
+  heads = _nbytes(params['mtp_heads']) if cfg.num_mtp_heads else 0
+  trunk = _nbytes(params) - heads - (0 if cfg.tie_embeddings else cfg.dim * cfg.vocab_size * 4) - (
+      cfg.vocab_size * cfg.dim * 4)
+  kv = 2 * b * cfg.num_kv_heads * s * cfg.head_dim * 4
+  head_block = heads // max(cfg.num_mtp_heads, 1)
+  draft_cols = (draft_vocab or cfg.vocab_size) * cfg.dim * 4
+  return {'trunk': trunk, 'unembedding': unembed, 'kv_cache': cfg.num_layers * kv,
+          'drafts': j * (head_block + draft_cols + kv),
+          'total': trunk + unembed + cfg.num_layers * kv + j * (head_block + draft_cols + kv)}
+
+
+def main(args: argparse.Namespace) -> dict:
+  if args.model == 'tiny':
+    model = MTPTransformer(TINY, rngs=nnx.Rngs(0))
+  else:
+    model = gguf_llama.load_model(args.model, num_mtp_heads=args.num_heads)
+  cfg = model.cfg
+  depths = sorted({0, *map(int, args.depths.split(','))})
+  bandwidth = read_gb_per_s()
+  results = {'model': args.model, 'read_gb_per_s': bandwidth, 'batches': {}}
+  rng = np.random.default_rng(0)
+  for b in map(int, args.batch_sizes.split(',')):
+    prompts = [rng.integers(1, cfg.vocab_size, args.prompt_len) for _ in range(b)]
+    settings = {f'j{j}': decode.DecodeOptions(args.max_new_tokens, j) for j in depths}
+    vocabs = {}
+    if args.draft_vocab and 4 in depths:
+      settings['j4_draft_vocab'] = decode.DecodeOptions(args.max_new_tokens, 4)
+      vocabs['j4_draft_vocab'] = np.arange(args.draft_vocab, dtype=np.int32)
+    seconds = evaluate.step_seconds(model, prompts, settings, pad_multiple=16, num_steps=args.steps,
+                                    repeats=args.repeats, draft_vocabs=vocabs)
+    p = -(-args.prompt_len // 16) * 16
+    row = {}
+    for name, opts in settings.items():
+      j = opts.draft_depth
+      s = decode.cache_len(p, opts)
+      dv = args.draft_vocab if name in vocabs else 0
+      parts = parts_ms(model, b, j, s, dv or cfg.vocab_size, args.repeats)
+      step_ms = 1e3 * seconds[name]
+      parts['rest'] = step_ms - parts['verify_trunk'] - parts['verify_logits'] - j * (
+          parts.get('draft_block_per_depth', 0) + parts.get('draft_logits_per_depth', 0))
+      nbytes = step_bytes(model, b, j, s, dv)
+      bound_ms = 1e3 * nbytes['total'] / (bandwidth * 1e9)
+      row[name] = {'step_ms': step_ms, 'parts_ms': parts, 'bytes': nbytes, 'bound_ms': bound_ms,
+                   'over_bound': step_ms / bound_ms, 'over_plain': step_ms / (1e3 * seconds['j0'])}
+    results['batches'][b] = row
+    for name, r in row.items():
+      results[f'b{b}/{name}/step_ms'] = r['step_ms']
+      results[f'b{b}/{name}/over_plain'] = r['over_plain']
+      results[f'b{b}/{name}/over_bound'] = r['over_bound']
+  first = results['batches'][int(args.batch_sizes.split(',')[0])]
+  for j in (1, 4):
+    if f'j{j}' in first:
+      results[f'spec_over_plain_j{j}'] = first[f'j{j}']['over_plain']
+  results['plain_over_bound'] = first['j0']['over_bound']
+  common.write_results('decode_cost', results, args.results_dir)
+  return results
+
+
+if __name__ == '__main__':
+  main(parse_args())
