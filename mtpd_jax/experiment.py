@@ -12,6 +12,7 @@ import json
 import os
 
 import ml_collections
+import numpy as np
 
 from mtpd_jax import evaluate, looped, recipe, report, train
 
@@ -87,7 +88,8 @@ def evaluate_workdir(workdir: str, draft_depth: int | None = None, *, write: boo
     results = evaluate.evaluate_prompt_sets(model, sets, draft_depth=depth, max_new_tokens=e.max_new_tokens,
                                             batch_size=e.batch_size, stop_tokens=stop,
                                             repeats=e.repeats, timing_steps=e.timing_steps,
-                                            timing_repeats=e.timing_repeats)
+                                            timing_repeats=e.timing_repeats,
+                                            draft_vocab=draft_vocab(config) if e.draft_vocab else None)
     for name, prompts in sets.items():  # the main head's own quality on each set (Table 2's left half)
       main = evaluate.heldout_metrics(model, evaluate.prompt_batches(prompts, e.batch_size))
       results[name].update(main_accuracy=main['accuracy'], main_loss=main['loss'])
@@ -95,6 +97,13 @@ def evaluate_workdir(workdir: str, draft_depth: int | None = None, *, write: boo
   if write:
     evaluate.write_report(results, workdir, heldout)
   return {'prompt_sets': results, 'heldout': heldout}
+
+
+def draft_vocab(config, batches: int = 64) -> np.ndarray:
+  """eval.draft_vocab ids: the most frequent tokens of the first `batches` training batches."""
+  it = recipe.make_data_iterator(config, 'train')
+  tokens = np.concatenate([np.asarray(next(it)['inputs']).ravel() for _ in range(batches)])
+  return evaluate.frequent_tokens(tokens, config.eval.draft_vocab)
 
 
 def format_summary(metrics: dict[str, float], num_heads: int) -> str:

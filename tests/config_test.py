@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from mtpd_jax import experiment, model, recipe, sharding, train
@@ -55,6 +56,8 @@ def test_config_builds_and_every_sweep_point_applies(path):
     ('distill.teacher', 'oracle', 'distill.teacher'),
     ('train.trainable', [9], 'head indices must lie in'),
     ('data.seq_len', 10 ** 5, 'exceeds model.max_seq_len'),
+    ('eval.draft_vocab', -1, 'eval.draft_vocab=-1 must be in [0, model.vocab_size='),
+    ('eval.draft_vocab', 10 ** 6, 'eval.draft_vocab=1000000 must be in'),
 ])
 def test_bad_values_are_refused(field, value, message):
   from conftest import small_config
@@ -75,3 +78,15 @@ def test_cli_refuses_bad_input_with_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_draft_vocab_is_the_most_frequent_training_tokens():
+  from conftest import small_config
+  from mtpd_jax import experiment  # pylint: disable=import-outside-toplevel
+  config = small_config(num_heads=1)
+  config.eval.draft_vocab = 8
+  ids = experiment.draft_vocab(config, batches=4)
+  it = recipe.make_data_iterator(config, 'train')
+  counts = np.bincount(np.concatenate([np.asarray(next(it)['inputs']).ravel() for _ in range(4)]))
+  assert len(ids) == 8 and np.all(np.diff(ids) > 0)
+  assert counts[ids].min() >= np.delete(counts, ids).max()
