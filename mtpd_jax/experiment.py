@@ -89,7 +89,7 @@ def evaluate_workdir(workdir: str, draft_depth: int | None = None, *, write: boo
                                             batch_size=e.batch_size, stop_tokens=stop,
                                             repeats=e.repeats, timing_steps=e.timing_steps,
                                             timing_repeats=e.timing_repeats,
-                                            draft_vocab=draft_vocab(config) if e.draft_vocab else None)
+                                            draft_vocab=draft_vocab(config) if e.get('draft_vocab', 0) else None)
     for name, prompts in sets.items():  # the main head's own quality on each set (Table 2's left half)
       main = evaluate.heldout_metrics(model, evaluate.prompt_batches(prompts, e.batch_size))
       results[name].update(main_accuracy=main['accuracy'], main_loss=main['loss'])

@@ -51,7 +51,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f'train.steps={config.train.steps} must be >= 1')
   if config.train.loss_chunk_rows < 0:
     raise ValueError(f'train.loss_chunk_rows={config.train.loss_chunk_rows} must be >= 0 (0 = unchunked loss)')
-  if not 0 <= config.eval.draft_vocab <= m.vocab_size:
+  if not 0 <= config.eval.get('draft_vocab', 0) <= m.vocab_size:
     raise ValueError(f'eval.draft_vocab={config.eval.draft_vocab} must be in [0, model.vocab_size={m.vocab_size}]')
   if config.eval.draft_depth < 0:
     raise ValueError(f'eval.draft_depth={config.eval.draft_depth} must be >= 1 (or 0 for K)')
