@@ -62,7 +62,7 @@ def read_gb_per_s(mbytes: int = 512) -> float:
   x = np.ones(mbytes * 2 ** 20 // 4, np.float32)
   xj = jnp.asarray(x)
   jit_ms = _best_ms(jax.jit(jnp.sum), xj)
-  start, best = time.perf_counter(), float('inf')
+  best = float('inf')
   for _ in range(3):
     start = time.perf_counter()
     x.sum()
