@@ -7,7 +7,9 @@ mtpd_jax.recipe.prompt_sets); a draft depth above K reuses head ((j-1) mod K)+1 
 Writes eval.json, eval.md and eval.png into the workdir and prints name=value lines.
 """
 
+import json
 import math
+import os
 
 from absl import app, flags, logging
 
@@ -20,10 +22,31 @@ def _fmt(x) -> str:
   return 'nan' if isinstance(x, float) and math.isnan(x) else f'{x:.4f}' if isinstance(x, float) else str(x)
 
 
+def check_inputs(workdir: str, draft_depth: int) -> None:
+  """The workdir, its config.json and the files that config names, before any work."""
+  from mtpd_jax import cli, recipe, train
+  if draft_depth < 0:
+    raise cli.InputError(f'--draft_depth={draft_depth} must be >= 0 (0 = eval.draft_depth or K)')
+  if not os.path.isdir(workdir):
+    raise FileNotFoundError(f'--workdir={workdir} is not a directory')
+  try:
+    config = train.saved_config(workdir)
+  except json.JSONDecodeError as e:
+    raise cli.InputError(f'{os.path.join(workdir, "config.json")}:{e.lineno}: not valid JSON ({e.msg})') from None
+  heads = config.mtp.num_heads
+  if draft_depth and not heads:
+    raise cli.InputError(f'--draft_depth={draft_depth}: the model of {workdir} has no MTP heads to draft with')
+  recipe.validate_config(config, mesh=False)  # evaluation builds its own mesh
+  if not os.path.isdir(os.path.join(workdir, 'checkpoints')) or not any(
+      n.isdigit() for n in os.listdir(os.path.join(workdir, 'checkpoints'))):
+    raise FileNotFoundError(f'{workdir} holds no checkpoint to evaluate')
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
   from mtpd_jax import experiment  # after flag parsing, so --help stays fast
+  check_inputs(_WORKDIR.value, _DRAFT_DEPTH.value)
   out = experiment.evaluate_workdir(_WORKDIR.value, _DRAFT_DEPTH.value or None)
   for name, r in out['prompt_sets'].items():
     for k, (ar, car) in enumerate(zip(r['ar'], r['car']), 1):
@@ -36,5 +59,11 @@ def main(argv):
   print(f'wrote {_WORKDIR.value}/eval.json, eval.md, eval.png', flush=True)
 
 
+def run():
+  """The entry point: bad input is one `error:` line and exit 2 (mtpd_jax/cli.py)."""
+  from mtpd_jax import cli
+  cli.run(lambda: app.run(main, flags_parser=cli.parse_absl_flags))
+
+
 if __name__ == '__main__':
-  app.run(main)
+  run()

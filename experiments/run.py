@@ -31,6 +31,8 @@ def resolve_config_arg(value: str) -> str:
     name = os.path.join(CONFIG_DIR, name + '.py')
   if not os.path.isfile(name):
     raise FileNotFoundError(f'config file {name} does not exist')
+  from mtpd_jax import cli
+  cli.check_config_file(name, arg)  # a syntax error or a wrong ':arg' is named here, not in a traceback
   return name + sep + arg
 
 
@@ -108,6 +110,8 @@ def main(argv):
   config = copy.deepcopy(_CONFIG.value)
   if _MODEL.value:
     config = with_model_preset(config, _MODEL.value, config_flags.get_override_values(flags.FLAGS['config']))
+  from mtpd_jax import recipe
+  recipe.check_fields(config)  # e.g. seeds=0 would run nothing; each sweep point is validated in full later
   workdir = _WORKDIR.value or os.path.join('runs', name)
   results_dir = os.path.join('results', name)
   report = experiment.run_sweep(config, sweep, workdir, results_dir, indices=None if index is None else [index])
@@ -115,26 +119,14 @@ def main(argv):
   print(f'wrote {results_dir}/results.md, results.json, acceptance.png, loss_curves.png', flush=True)
 
 
-def _parse_flags(argv):
-  """absl's parsing, but a bad flag or config override is one line and exit 2, not a usage dump."""
-  try:
-    return flags.FLAGS(argv)
-  except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
-    print(f'error: {str(e).splitlines()[0]}', file=sys.stderr)
-    sys.exit(2)
-
-
 def run():
-  from mtpd_jax.runtime import Preempted
-  try:
+  """The entry point: bad input is one `error:` line and exit 2 (mtpd_jax/cli.py)."""
+  from mtpd_jax import cli
+
+  def body():
     sys.argv = _rewrite_argv(sys.argv)
-    app.run(main, flags_parser=_parse_flags)
-  except Preempted as e:  # checkpointed on SIGTERM/SIGINT: the usual 128+signal exit status
-    print(e, file=sys.stderr)
-    sys.exit(128 + e.signum)
-  except (ValueError, OSError, TypeError, KeyError) as e:  # bad input: one line, exit 2
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
+    app.run(main, flags_parser=cli.parse_absl_flags)
+  cli.run(body)
 
 
 if __name__ == '__main__':

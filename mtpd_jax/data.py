@@ -22,6 +22,35 @@ def pack_window(window: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
           'segment_ids': seg[:-1], 'target_segment_ids': seg[1:]}
 
 
+def load_token_file(path: str, vocab_size: int | None = None) -> np.ndarray:
+  """A 1-D integer `.npy` array, memory-mapped and never unpickled; every message names the file.
+
+  Ids are checked against [0, vocab_size) here, when the run starts, not when a batch reaches them.
+  """
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'token file {path} does not exist')
+  with open(path, 'rb') as f:
+    magic = f.read(6)
+  if magic != b'\x93NUMPY':  # np.load would call any other file "pickled" and suggest unpickling it
+    raise ValueError(f'token file {path} is not a .npy array file (save token ids with numpy.save)')
+  try:
+    tokens = np.load(path, mmap_mode='r', allow_pickle=False)
+  except ValueError as e:
+    reason = ('holds Python objects, not token ids' if 'object' in str(e) or 'pickle' in str(e)
+              else 'is truncated: shorter than its header says' if 'mmap length' in str(e)
+              else f'has a damaged .npy header ({e})')
+    raise ValueError(f'token file {path} {reason}') from None
+  if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f'token file {path}: expected a 1-D integer array, got {tokens.dtype}{tokens.shape}')
+  if tokens.size:
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0:
+      raise ValueError(f'token file {path} holds id {lo}; token ids must be >= 0')
+    if vocab_size is not None and hi >= vocab_size:
+      raise ValueError(f'token file {path} holds id {hi} >= vocab_size {vocab_size}')
+  return tokens
+
+
 class PackedTokens:
   """Non-overlapping windows of `seq_len + 1` tokens over a 1-D token file (memory-mapped `.npy`).
 
@@ -30,13 +59,7 @@ class PackedTokens:
 
   def __init__(self, path: str, seq_len: int, eos_id: int, vocab_size: int | None = None,
                split: tuple[float, float] = (0.0, 1.0)):
-    if not os.path.isfile(path):
-      raise FileNotFoundError(f'token file {path} does not exist')
-    self.tokens = np.load(path, mmap_mode='r')
-    if self.tokens.ndim != 1 or not np.issubdtype(self.tokens.dtype, np.integer):
-      raise ValueError(f'token file {path}: expected a 1-D integer array, got {self.tokens.dtype}{self.tokens.shape}')
-    if vocab_size is not None and self.tokens.size and int(self.tokens.max()) >= vocab_size:
-      raise ValueError(f'token file {path} holds id {int(self.tokens.max())} >= vocab_size {vocab_size}')
+    self.tokens = load_token_file(path, vocab_size)
     self.seq_len, self.eos_id = seq_len, eos_id
     total = max((len(self.tokens) - 1) // seq_len, 0)
     self.start, self.stop = int(total * split[0]), int(total * split[1])

@@ -75,3 +75,53 @@ def load_jsonl_prompts(path: str, *, tokenizer, field: str = 'prompt', max_promp
   texts = read_jsonl_texts(path, field=field)[:max_prompts]
   return encode_prompts(texts, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens,
                         chat_template=chat_template)
+
+
+def check_jsonl_prompts(path: str, *, field: str = 'prompt', vocab_size: int, text_ok: bool,
+                        max_ids: int | None = None) -> int:
+  """Read a prompt file through once before any work and raise naming `path:line` at the first bad record.
+
+  Each record is a JSON object whose `field` holds non-empty text (only when `text_ok`: the run has a
+  tokenizer) or a non-empty list of token ids in [0, vocab_size), at most `max_ids` of them.
+  Returns the number of records.
+  """
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'prompt file {path} does not exist')
+  count = 0
+  with (gzip.open if path.endswith('.gz') else open)(path, 'rb') as f:
+    for line_no, raw in enumerate(f, 1):
+      where = f'prompt file {path}:{line_no}'
+      try:
+        line = raw.decode('utf-8')
+      except UnicodeDecodeError as e:
+        raise ValueError(f'{where}: not UTF-8 text ({e.reason} at byte {e.start})') from None
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f'{where}: not valid JSON ({e.msg}, column {e.colno})') from None
+      if not isinstance(record, dict) or field not in record:
+        keys = sorted(record) if isinstance(record, dict) else f'a JSON {type(record).__name__}, not an object'
+        raise ValueError(f'{where}: no field {field!r} (record has {keys})')
+      value = record[field]
+      if isinstance(value, str):
+        if not value:
+          raise ValueError(f'{where}: field {field!r} is empty')
+        if not text_ok:
+          raise ValueError(f'{where}: field {field!r} holds text, but only the embedded data source has a '
+                           'tokenizer; give token ids (a list of ints) instead')
+      elif isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        bad = [t for t in value if not 0 <= t < vocab_size]
+        if bad:
+          raise ValueError(f'{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})')
+        if max_ids is not None and len(value) > max_ids:
+          raise ValueError(f'{where}: {len(value)} prompt ids leave no room to generate within '
+                           f'model.max_seq_len (at most {max_ids})')
+      else:
+        raise ValueError(f'{where}: field {field!r} must be text or a non-empty list of token ids, '
+                         f'not {json.dumps(value)[:40]}')
+      count += 1
+  if not count:
+    raise ValueError(f'prompt file {path} holds no records')
+  return count

@@ -4,8 +4,9 @@ With train.py, the only reader of the ConfigDict; everything below it takes plai
 """
 
 import math
+import numbers
 import os
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 import ml_collections
@@ -13,71 +14,325 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mtpd_jax import data, evaluate, losses, sharding
+from mtpd_jax import corpus, data, evaluate, losses, sharding
 from mtpd_jax.model import ModelConfig
 from mtpd_jax.moe import MoEConfig
 
 BETA_SCHEDULES = ('constant', 'exp_decay', 'linear_decay', 'linear_increase')
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raise ValueError naming the first bad field, before any work starts."""
-  m, d, k = config.model, config.distill, config.mtp.num_heads
-  choices = {'distill.kl': (d.kl, losses.KL_DIRECTIONS), 'distill.teacher': (d.teacher, losses.TEACHERS),
-             'distill.top_n_mode': (d.top_n_mode, losses.TOP_N_MODES),
-             'distill.selection': (d.selection, losses.SELECTIONS),
-             'distill.beta_schedule': (d.beta_schedule, BETA_SCHEDULES),
-             'train.on_nan': (config.train.on_nan, ('stop', 'skip')),
-             'train.init_heads': (config.train.init_heads, ('fresh', 'loop', 'trunk')),
-             'train.resume': (config.train.resume, ('auto', 'never')),
-             'model.dtype': (m.dtype, ('float32', 'bfloat16'))}
-  for name, (value, allowed) in choices.items():
-    if value not in allowed:
-      raise ValueError(f'{name}={value!r} is not one of {allowed}')
-  if k < 0:
-    raise ValueError(f'mtp.num_heads={k} must be >= 0')
-  if d.top_n is not None and not (isinstance(d.top_n, int) and 1 <= d.top_n <= m.vocab_size):
-    raise ValueError(f'distill.top_n={d.top_n!r} must be None or an int in [1, vocab_size={m.vocab_size}]')
-  if d.tau <= 0:
-    raise ValueError(f'distill.tau={d.tau} must be > 0')
-  if any(b < 0 for b in resolve_beta(config)):
-    raise ValueError(f'distill.beta={d.beta!r} must be non-negative')
-  if config.data.seq_len > m.max_seq_len:
-    raise ValueError(f'data.seq_len={config.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}')
-  schedule = tuple(config.looped.schedule)
-  if schedule and (schedule[0] < 1 or any(b <= a for a, b in zip(schedule, schedule[1:]))):
-    raise ValueError(f'looped.schedule={schedule} must be increasing head counts starting at >= 1')
-  if config.train.steps < 1:
-    raise ValueError(f'train.steps={config.train.steps} must be >= 1')
-  if config.train.loss_chunk_rows < 0:
-    raise ValueError(f'train.loss_chunk_rows={config.train.loss_chunk_rows} must be >= 0 (0 = unchunked loss)')
-  if not 0 <= config.eval.get('draft_vocab', 0) <= m.vocab_size:
-    raise ValueError(f'eval.draft_vocab={config.eval.draft_vocab} must be in [0, model.vocab_size={m.vocab_size}]')
-  if config.eval.draft_depth < 0:
-    raise ValueError(f'eval.draft_depth={config.eval.draft_depth} must be >= 1 (or 0 for K)')
-  if config.data.source not in ('synthetic', 'tokens', 'embedded'):
-    raise ValueError(f"data.source={config.data.source!r} is not one of ('synthetic', 'tokens', 'embedded')")
-  if config.data.source == 'tokens':
-    if not os.path.isfile(config.data.train_path):
-      raise FileNotFoundError(f'data.train_path={config.data.train_path!r} is not a file')
-    make_source(config, 'train')  # reads the header and checks every id against the vocabulary
-  _validate_gguf(config)
-  for entry in config.eval.jsonl:
-    path = entry.partition('=')[2].partition(':')[0]
-    if '=' not in entry or not os.path.isfile(path):
-      raise FileNotFoundError(f"eval.jsonl entry {entry!r}: expected 'name=path[:field]' naming an existing file")
+# ---------------------------------------------------------------------------------------------
+# What every field of configs/base.py may hold. One rule per field, in base.py's order; a test
+# fails when a field has none. Each rule is (doc, bad): `bad(value, config)` returns None for a
+# good value, else what the value should be ('an int >= 1'), so the error names field, value and
+# expectation. Bounds given as a field name ('model.vocab_size') are read from the same config.
+
+
+class Rule(NamedTuple):
+  doc: str                                  # what the field accepts, for the config reference
+  bad: Callable[[Any, Any], str | None]     # (value, config) -> None, or what the value should be
+
+
+def _field(config, name: str):
+  for key in name.split('.'):
+    config = config[key]
+  return config
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:  # finite: NaN and inf are refused everywhere
+  return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _limit(config, bound) -> tuple[Any, str]:
+  """A bound and its words: 8 -> (8, '8'); 'model.vocab_size' -> (8192, 'model.vocab_size=8192')."""
+  if isinstance(bound, str):
+    value = _field(config, bound)
+    return value, f'{bound}={value}'
+  return bound, f'{bound}'
+
+
+def integer(lo: int, hi=None, *, below=None) -> Rule:
+  """An int >= lo, and <= hi or < below (an int or a field name)."""
+  doc = f'int >= {lo}' if hi is None and below is None else (
+      f'int in [{lo}, {hi}]' if below is None else f'int in [{lo}, {below})')
+
+  def bad(v, c):
+    top = None if hi is None and below is None else _limit(c, below if hi is None else hi)
+    if _is_int(v) and v >= lo and (top is None or (v <= top[0] if below is None else v < top[0])):
+      return None
+    return (f'an int >= {lo}' if top is None else
+            f'an int in [{lo}, {top[1]}]' if below is None else f'an int in [{lo}, {top[1]})')
+  return Rule(doc, bad)
+
+
+def real(lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False) -> Rule:
+  """A finite number in the interval from lo to hi (None = unbounded), open or closed at each end."""
+  words = ('a finite number' if lo is None and hi is None else
+           f'a finite number {">" if lo_open else ">="} {lo}' if hi is None else
+           f'a finite number in {"(" if lo_open else "["}{lo}, {hi}{")" if hi_open else "]"}')
+
+  def bad(v, c):
+    ok = _is_real(v) and (lo is None or (v > lo if lo_open else v >= lo)) and (
+        hi is None or (v < hi if hi_open else v <= hi))
+    return None if ok else words
+  return Rule(words.removeprefix('a '), bad)
+
+
+def flag() -> Rule:
+  return Rule('True | False', lambda v, c: None if isinstance(v, bool) else 'True or False')
+
+
+def text() -> Rule:
+  return Rule('str', lambda v, c: None if isinstance(v, str) else 'a string')
+
+
+def one_of(*choices) -> Rule:
+  return Rule(' | '.join(map(repr, choices)), lambda v, c: None if v in choices else f'one of {choices}')
+
+
+def optional(rule: Rule) -> Rule:
+  return Rule(f'None | {rule.doc}', lambda v, c: None if v is None else (
+      None if rule.bad(v, c) is None else f'None or {rule.bad(v, c)}'))
+
+
+def _beta(v, c):
+  k = c.mtp.num_heads
+  if v is None or (_is_real(v) and v >= 0):
+    return None
+  if isinstance(v, (list, tuple)) and len(v) == k and all(_is_real(b) and b >= 0 for b in v):
+    return None
+  if isinstance(v, (list, tuple)) and len(v) != k:
+    return f'one value per head: {k} values for mtp.num_heads={k}'
+  return f'None or a finite number >= 0 (or one such number per head: {k} for mtp.num_heads={k})'
+
+
+def _trainable(v, c):
+  k = c.mtp.num_heads
+  if v == 'all' or (v == 'mtp_heads' and k >= 1):
+    return None
+  if (isinstance(v, (list, tuple)) and v and all(_is_int(h) and 1 <= h <= k for h in v)
+      and len(set(v)) == len(v)):
+    return None
+  return (f"'all', 'mtp_heads' or a non-empty list of distinct head indices in 1..mtp.num_heads={k}"
+          if k else "'all' (mtp.num_heads=0: there are no heads to train alone)")
+
+
+def _increasing_heads(v, c):
+  v = tuple(v) if isinstance(v, (list, tuple)) else v
+  ok = v == () or (isinstance(v, tuple) and all(_is_int(n) for n in v) and v[0] >= 1
+                   and all(b > a for a, b in zip(v, v[1:])))
+  return None if ok else 'increasing head counts starting at >= 1, e.g. (1, 2, 4, 8), or ()'
+
+
+def _mesh_shape(v, c):
+  ok = isinstance(v, (list, tuple)) and v and all(_is_int(n) and (n >= 1 or n == -1) for n in v) and (
+      list(v).count(-1) <= 1)
+  return None if ok else 'a tuple of sizes >= 1 with at most one -1 (the remaining devices)'
+
+
+def _mesh_axes(v, c):
+  ok = isinstance(v, (list, tuple)) and v and len(set(v)) == len(v) and all(a in sharding.MESH_AXES for a in v)
+  return None if ok else f'distinct names from {sharding.MESH_AXES}'
+
+
+def _prompt_sets(v, c):
+  ok = isinstance(v, (list, tuple)) and all(name in corpus.PROMPT_SETS for name in v)
+  return None if ok else f'a tuple of names from {corpus.PROMPT_SETS}'
+
+
+def _jsonl(v, c):
+  ok = isinstance(v, (list, tuple)) and all(
+      isinstance(e, str) and e.partition('=')[0] and e.partition('=')[2] for e in v)
+  return None if ok else "a tuple of 'name=path' or 'name=path:field' strings"
+
+
+FIELD_RULES: dict[str, Rule] = {
+    'seed': integer(0),
+    'model.vocab_size': integer(2),
+    'model.dim': integer(1),
+    'model.num_layers': integer(1),
+    'model.num_heads': integer(1),
+    'model.num_kv_heads': integer(1, 'model.num_heads'),
+    'model.head_dim': integer(2),
+    'model.mlp_dim': integer(1),
+    'model.rope_base': real(0, lo_open=True),
+    'model.rope_interleaved': flag(),
+    'model.qk_norm': flag(),
+    'model.tie_embeddings': flag(),
+    'model.norm_eps': real(0, lo_open=True),
+    'model.max_seq_len': integer(2),
+    'model.dtype': one_of('float32', 'bfloat16'),
+    'model.remat': flag(),
+    'model.moe.num_experts': integer(0),
+    'model.moe.top_k': integer(1),
+    'model.moe.expert_dim': integer(0),
+    'model.moe.num_shared_experts': integer(0),
+    'model.moe.capacity_factor': real(),
+    'model.moe.group_size': integer(0, 'data.seq_len'),
+    'model.moe.renormalize_gates': flag(),
+    'model.moe.aux_loss_weight': real(0),
+    'model.moe.bias_update_rate': real(0),
+    'mtp.num_heads': integer(0),
+    'mtp.ce_weight': real(0),
+    'mtp.isolate_trunk': flag(),
+    'distill.enabled': flag(),
+    'distill.detach': flag(),
+    'distill.top_n': optional(integer(1, 'model.vocab_size')),
+    'distill.top_n_mode': one_of(*losses.TOP_N_MODES),
+    'distill.selection': one_of(*losses.SELECTIONS),
+    'distill.renormalize': flag(),
+    'distill.kl': one_of(*losses.KL_DIRECTIONS),
+    'distill.tau': real(0, lo_open=True),
+    'distill.beta': Rule('None | finite number >= 0 | one per head', _beta),
+    'distill.beta_schedule': one_of(*BETA_SCHEDULES),
+    'distill.step_gamma': real(0, lo_open=True),
+    'distill.teacher': one_of(*losses.TEACHERS),
+    'distill.warmup_steps': integer(0),
+    'data.source': one_of('synthetic', 'embedded', 'tokens'),
+    'data.cache_dir': text(),
+    'data.embedded_chars': integer(1),
+    'data.code_fraction': real(0, 1),
+    'data.tokenizer': text(),
+    'data.train_path': text(),
+    'data.eos_id': integer(0, below='model.vocab_size'),
+    'data.eval_fraction': real(0, 1, lo_open=True, hi_open=True),
+    'data.seq_len': integer(1, 'model.max_seq_len'),
+    'data.batch_size': integer(1),
+    'data.seed': integer(0),
+    'data.shuffle': flag(),
+    'data.synthetic_records': integer(1),
+    'train.steps': integer(1),
+    'train.lr': real(0, lo_open=True),
+    'train.b1': real(0, 1, hi_open=True),
+    'train.b2': real(0, 1, hi_open=True),
+    'train.eps': real(0),
+    'train.weight_decay': real(0),
+    'train.clip_norm': real(0, lo_open=True),
+    'train.warmup_frac': real(0, 1),
+    'train.min_lr_frac': real(0, 1),
+    'train.trainable': Rule("'all' | 'mtp_heads' | non-empty list of head indices", _trainable),
+    'train.init_from': text(),
+    'train.init_heads': one_of('fresh', 'loop', 'trunk'),
+    'train.resume': one_of('auto', 'never'),
+    'train.on_nan': one_of('stop', 'skip'),
+    'train.loss_chunk_rows': integer(0),
+    'train.log_every': integer(1),
+    'train.eval_every': integer(0),
+    'train.eval_batches': integer(1),
+    'looped.schedule': Rule('() | increasing head counts >= 1', _increasing_heads),
+    'looped.stage_steps': integer(1),
+    'base.steps': integer(0),
+    'seeds': integer(1),
+    'eval.enabled': flag(),
+    'eval.prompt_sets': Rule(f'names from {corpus.PROMPT_SETS}', _prompt_sets),
+    'eval.jsonl': Rule("'name=path[:field]' strings", _jsonl),
+    'eval.max_prompts': integer(1),
+    'eval.max_prompt_tokens': integer(1),
+    'eval.max_new_tokens': integer(1),
+    'eval.draft_depth': integer(0),
+    'eval.batch_size': integer(1),
+    'eval.draft_vocab': integer(0, 'model.vocab_size'),
+    'eval.repeats': integer(1),
+    'eval.timing_steps': integer(1),
+    'eval.timing_repeats': integer(1),
+    'ckpt.every_steps': integer(0),
+    'ckpt.max_to_keep': integer(1),
+    'mesh.shape': Rule('sizes >= 1, at most one -1', _mesh_shape),
+    'mesh.axes': Rule(f'distinct names from {sharding.MESH_AXES}', _mesh_axes),
+}
+
+
+def _flat(tree: dict, prefix: str = '') -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    out.update(_flat(value, f'{prefix}{key}.') if isinstance(value, dict) else {prefix + key: value})
+  return out
+
+
+def check_fields(config: ml_collections.ConfigDict) -> None:
+  """Every field against its rule in FIELD_RULES; a field no rule knows is refused as a likely typo."""
+  for name, value in _flat(config.to_dict()).items():
+    if name not in FIELD_RULES:
+      raise ValueError(f'{name}={value!r} is not a field of configs/base.py (recipe.FIELD_RULES has no rule for it)')
+    should = FIELD_RULES[name].bad(value, config)
+    if should is not None:
+      raise ValueError(f'{name}={value!r} must be {should}')
+
+
+def validate_config(config: ml_collections.ConfigDict, *, mesh: bool = True) -> None:
+  """Raise ValueError (OSError for a missing file) naming the first bad field or file, before any work.
+
+  Every field against FIELD_RULES, then what fields must agree on, then (with `mesh`) the device
+  mesh, then the files the run will read.
+  """
+  check_fields(config)
+  _check_cross_fields(config)
+  if mesh:
+    _check_mesh(config)
+  _check_files(config)
+
+
+def _check_cross_fields(config: ml_collections.ConfigDict) -> None:
+  m, d, e, k = config.model, config.data, config.eval, config.mtp.num_heads
+  if m.num_heads % m.num_kv_heads:
+    raise ValueError(f'model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}')
+  if m.head_dim % 2:
+    raise ValueError(f'model.head_dim={m.head_dim} must be even (RoPE rotates pairs of dimensions)')
+  if m.moe.num_experts and m.moe.top_k > m.moe.num_experts:
+    raise ValueError(f'model.moe.top_k={m.moe.top_k} must lie in 1..model.moe.num_experts={m.moe.num_experts}')
+  if m.moe.num_experts and m.moe.group_size and d.seq_len % m.moe.group_size:
+    raise ValueError(f'model.moe.group_size={m.moe.group_size} does not divide data.seq_len={d.seq_len}')
+  resolve_beta(config)  # the schedule applied to the base β
+  if d.source == 'tokens' and not d.train_path:
+    raise ValueError("data.source='tokens' needs data.train_path, a 1-D .npy file of token ids")
+  heads = tuple(config.looped.schedule)[-1] if config.looped.schedule else k
+  if e.enabled and e.draft_depth and not heads:
+    raise ValueError(f'eval.draft_depth={e.draft_depth} drafts with MTP heads, but mtp.num_heads=0')
+  if e.enabled and (e.prompt_sets or e.jsonl or d.source == 'synthetic'):
+    longest = min(e.max_prompt_tokens, d.seq_len) if d.source == 'synthetic' else e.max_prompt_tokens
+    if longest + e.max_new_tokens > m.max_seq_len:
+      raise ValueError(f'eval.max_prompt_tokens={e.max_prompt_tokens} + eval.max_new_tokens={e.max_new_tokens} '
+                       f'exceeds model.max_seq_len={m.max_seq_len}: a prompt and its generation must fit')
+
+
+def _check_mesh(config: ml_collections.ConfigDict) -> None:
   mesh_shape = sharding.resolve_mesh_shape(config.mesh.shape, config.mesh.axes,
                                            sharding.mesh_device_count(config.mesh.shape))
   data_parallel = math.prod(n for n, ax in zip(mesh_shape, config.mesh.axes) if ax in sharding.AXIS_RULES['batch'])
   if config.data.batch_size % data_parallel:
     raise ValueError(f'data.batch_size={config.data.batch_size} is not divisible by the {data_parallel}-way '
                      'data-parallel mesh axes')
-  trainable_labels({}, config.train.trainable)  # raises on a bad value
-  if isinstance(config.train.trainable, (list, tuple)) and not all(1 <= h <= k for h in config.train.trainable):
-    raise ValueError(f'train.trainable={config.train.trainable!r}: head indices must lie in 1..{k}')
-  moe = model_config(config).moe  # ModelConfig and MoEConfig check their own shape constraints
-  if moe.num_experts and moe.group_size and config.data.seq_len % moe.group_size:
-    raise ValueError(f'model.moe.group_size={moe.group_size} does not divide data.seq_len={config.data.seq_len}')
+  model_config(config)  # ModelConfig and MoEConfig check their own shape constraints
+
+
+def _check_files(config: ml_collections.ConfigDict) -> None:
+  """Token, prompt and GGUF files are read through once now, so a bad one stops the run before any work."""
+  from mtpd_jax import prompts
+  d, e, m = config.data, config.eval, config.model
+  if d.source == 'tokens':  # 'embedded' writes its own token file, checked as it builds it
+    records = (len(data.load_token_file(d.train_path, m.vocab_size)) - 1) // d.seq_len
+    train = int(records * (1.0 - d.eval_fraction))
+    for part, n in (('training', train), ('held-out', records - train)):
+      if n < d.batch_size:
+        raise ValueError(f'token file {d.train_path}: its {part} part (data.eval_fraction={d.eval_fraction}) has '
+                         f'{n} windows of data.seq_len+1={d.seq_len + 1} tokens, fewer than '
+                         f'data.batch_size={d.batch_size}')
+  if d.source == 'synthetic' and d.synthetic_records < d.batch_size:
+    raise ValueError(f'data.synthetic_records={d.synthetic_records} is fewer than data.batch_size={d.batch_size}')
+  _validate_gguf(config)
+  for entry in e.jsonl:
+    name, _, spec = entry.partition('=')
+    path, _, field = spec.partition(':')
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"eval.jsonl entry {entry!r}: prompt file {path} does not exist "
+                              "(expected 'name=path[:field]')")
+    if e.enabled:
+      prompts.check_jsonl_prompts(path, field=field or 'prompt', vocab_size=m.vocab_size,
+                                  text_ok=d.source == 'embedded', max_ids=m.max_seq_len - e.max_new_tokens)
 
 
 def _validate_gguf(config: ml_collections.ConfigDict) -> None:
@@ -88,6 +343,8 @@ def _validate_gguf(config: ml_collections.ConfigDict) -> None:
     gguf_llama.check_model_config(config.model.to_dict(), init_from)
   elif init_from and config.train.init_heads == 'trunk':
     raise ValueError(f"train.init_heads='trunk' needs a GGUF train.init_from, not {init_from!r}")
+  elif init_from and not os.path.isdir(init_from):
+    raise FileNotFoundError(f"train.init_from={init_from!r} is neither a workdir, 'smollm2' nor a .gguf file")
   if tok != 'bpe':
     if not gguf_llama.is_gguf(tok):
       raise ValueError(f"data.tokenizer={tok!r} is not 'bpe', 'smollm2' or a .gguf path")
@@ -165,7 +422,6 @@ def make_optimizer(config: ml_collections.ConfigDict, labels) -> optax.GradientT
 
 def embedded_data(config: ml_collections.ConfigDict):
   """The embedded corpus and tokenizer (built once, then read from the cache)."""
-  from mtpd_jax import corpus
   d = config.data
   return corpus.prepare_embedded(d.cache_dir or None, vocab_size=config.model.vocab_size,
                                  max_chars=d.embedded_chars, code_fraction=d.code_fraction,
