@@ -90,4 +90,5 @@ def main():
 
 
 if __name__ == '__main__':
-  main()
+  from mtpd_jax import cli
+  cli.run(main)  # bad input: one 'error:' line, exit 2

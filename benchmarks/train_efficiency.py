@@ -82,4 +82,5 @@ def main(args: argparse.Namespace) -> dict:
 
 
 if __name__ == '__main__':
-  main(parse_args())
+  from mtpd_jax import cli
+  cli.run(lambda: main(parse_args()))  # bad input: one 'error:' line, exit 2

@@ -90,4 +90,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main(sys.argv))
+  from mtpd_jax import cli
+  cli.run(lambda: main(sys.argv))
