@@ -1,7 +1,9 @@
 """The one complete config: every field the library reads, with the paper's defaults (SPEC §2, §6).
 
 Other configs start from `get_config()` here and override a few fields; an ablation adds
-`get_sweep()`, a list of flattened overrides, one per run.
+`get_sweep()`, a list of flattened overrides, one per run. A new field needs a rule (its type and
+range) in `FIELD_RULES` of mtpd_jax/recipe.py, checked before any work; tests/validation_test.py
+fails while one is missing.
 """
 
 import ml_collections

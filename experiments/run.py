@@ -1,6 +1,6 @@
 """Train (and evaluate) one config or every point of its sweep.
 
-  python -m experiments.run --config=NAME [--model=PRESET] [--config.a.b=v ...] [--sweep_index=i] [--workdir=DIR]
+  python -m experiments.run --config=NAME [--model=PRESET] [--config.a.b=v ...] [--sweep_index=i] [--workdir=DIR] [--results_dir=DIR]
 
 NAME resolves to configs/NAME.py (a path works too); `NAME:arg` passes `arg` to get_config.
 PRESET (also spelled --config.model=PRESET) takes the architecture from configs/model/PRESET.py,
@@ -20,7 +20,10 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/NAME.py or NAME', lock_config=True)
 _SWEEP_INDEX = flags.DEFINE_integer('sweep_index', None, 'run only this point of get_sweep()')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'default: runs/NAME[/i]; the report goes to results/NAME')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'default: runs/NAME (NAME:arg: runs/NAME-arg); points of a sweep '
+                               'in its subfolders i/')
+_RESULTS_DIR = flags.DEFINE_string('results_dir', None, 'the report; default: results/NAME (NAME:arg: '
+                                   'results/NAME-arg), or WORKDIR/report with --workdir')
 _MODEL = flags.DEFINE_string('model', None, 'model preset configs/model/PRESET.py (e.g. moe_tiny, dense_2b)')
 
 
@@ -112,8 +115,8 @@ def main(argv):
     config = with_model_preset(config, _MODEL.value, config_flags.get_override_values(flags.FLAGS['config']))
   from mtpd_jax import recipe
   recipe.check_fields(config)  # e.g. seeds=0 would run nothing; each sweep point is validated in full later
-  workdir = _WORKDIR.value or os.path.join('runs', name)
-  results_dir = os.path.join('results', name)
+  recipe.check_decoding_fits(config)
+  workdir, results_dir = experiment.run_places(name, path.partition(':')[2], _WORKDIR.value, _RESULTS_DIR.value)
   report = experiment.run_sweep(config, sweep, workdir, results_dir, indices=None if index is None else [index])
   print(report, flush=True)
   print(f'wrote {results_dir}/results.md, results.json, acceptance.png, loss_curves.png', flush=True)

@@ -48,8 +48,17 @@ def one_line(e: BaseException) -> str:
   return ' '.join(lines) or type(e).__name__
 
 
+def _clear_progress_bars() -> None:
+  """Erase a running tqdm bar (a run stopped mid-training), so the error line starts a line of its own."""
+  tqdm = sys.modules.get('tqdm')
+  for bar in list(getattr(getattr(tqdm, 'tqdm', None), '_instances', ())):
+    bar.leave = False
+    bar.close()
+
+
 def report(e: BaseException, verbose: bool) -> int:
   """Print `e` as one line (after its traceback when `verbose`); returns the exit status."""
+  _clear_progress_bars()
   if verbose:
     traceback.print_exception(e)
   if is_expected(e):

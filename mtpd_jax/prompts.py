@@ -82,7 +82,7 @@ def check_jsonl_prompts(path: str, *, field: str = 'prompt', vocab_size: int, te
   """Read a prompt file through once before any work and raise naming `path:line` at the first bad record.
 
   Each record is a JSON object whose `field` holds non-empty text (only when `text_ok`: the run has a
-  tokenizer) or a non-empty list of token ids in [0, vocab_size), at most `max_ids` of them.
+  tokenizer) or a non-empty list of token ids in [0, vocab_size), at most `max_ids` (model.max_seq_len) of them.
   Returns the number of records.
   """
   if not os.path.isfile(path):
@@ -116,8 +116,7 @@ def check_jsonl_prompts(path: str, *, field: str = 'prompt', vocab_size: int, te
         if bad:
           raise ValueError(f'{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})')
         if max_ids is not None and len(value) > max_ids:
-          raise ValueError(f'{where}: {len(value)} prompt ids leave no room to generate within '
-                           f'model.max_seq_len (at most {max_ids})')
+          raise ValueError(f'{where}: {len(value)} prompt ids exceed model.max_seq_len={max_ids}')
       else:
         raise ValueError(f'{where}: field {field!r} must be text or a non-empty list of token ids, '
                          f'not {json.dumps(value)[:40]}')

@@ -292,6 +292,15 @@ def _check_cross_fields(config: ml_collections.ConfigDict) -> None:
   heads = tuple(config.looped.schedule)[-1] if config.looped.schedule else k
   if e.enabled and e.draft_depth and not heads:
     raise ValueError(f'eval.draft_depth={e.draft_depth} drafts with MTP heads, but mtp.num_heads=0')
+
+
+def check_decoding_fits(config: ml_collections.ConfigDict) -> None:
+  """The entry points' check that the longest prompt and its generation fit model.max_seq_len.
+
+  Not part of validate_config: the library's decoding does not need it (RoPE has no table), and
+  small test configs decode past a short max_seq_len on purpose.
+  """
+  m, d, e = config.model, config.data, config.eval
   if e.enabled and (e.prompt_sets or e.jsonl or d.source == 'synthetic'):
     longest = min(e.max_prompt_tokens, d.seq_len) if d.source == 'synthetic' else e.max_prompt_tokens
     if longest + e.max_new_tokens > m.max_seq_len:
@@ -314,7 +323,7 @@ def _check_files(config: ml_collections.ConfigDict) -> None:
   from mtpd_jax import prompts
   d, e, m = config.data, config.eval, config.model
   if d.source == 'tokens':  # 'embedded' writes its own token file, checked as it builds it
-    records = (len(data.load_token_file(d.train_path, m.vocab_size)) - 1) // d.seq_len
+    records = max(len(data.load_token_file(d.train_path, m.vocab_size)) - 1, 0) // d.seq_len
     train = int(records * (1.0 - d.eval_fraction))
     for part, n in (('training', train), ('held-out', records - train)):
       if n < d.batch_size:
@@ -332,7 +341,7 @@ def _check_files(config: ml_collections.ConfigDict) -> None:
                               "(expected 'name=path[:field]')")
     if e.enabled:
       prompts.check_jsonl_prompts(path, field=field or 'prompt', vocab_size=m.vocab_size,
-                                  text_ok=d.source == 'embedded', max_ids=m.max_seq_len - e.max_new_tokens)
+                                  text_ok=d.source == 'embedded', max_ids=m.max_seq_len)
 
 
 def _validate_gguf(config: ml_collections.ConfigDict) -> None:
