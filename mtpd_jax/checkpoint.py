@@ -5,11 +5,14 @@ mid-save leaves the previous checkpoint intact; `max_to_keep` only prunes after 
 has been finalised.
 """
 
+import contextlib
 import errno
+import gc
 import logging
 import math
 import os
 import shutil
+import sys
 import time
 
 import grain
@@ -31,10 +34,51 @@ def _disk_full(e: BaseException | None) -> bool:
   return False
 
 
+def check_options(every_steps: int, max_to_keep: int) -> None:
+  """Refuse checkpoint settings that would lose checkpoints, before anything is written."""
+  if not isinstance(max_to_keep, int) or max_to_keep < 1:
+    raise ValueError(f'ckpt.max_to_keep={max_to_keep!r} must be an int >= 1: fewer would delete every '
+                     'checkpoint, the ones already in the workdir included')
+  if not isinstance(every_steps, int) or every_steps < 0:
+    raise ValueError(f'ckpt.every_steps={every_steps!r} must be an int >= 0 (0 = only the last step '
+                     'and a preemption save)')
+
+
+@contextlib.contextmanager
+def _quiet_logs():
+  """Orbax and tensorstore log an error with a traceback per array of a damaged checkpoint; the
+  caller reports the damage once, so their logs are held back while it tries."""
+  loggers = [logging.getLogger(n) for n in ('absl', 'orbax', 'asyncio', 'jax')]
+  levels = [lg.level for lg in loggers]
+  for lg in loggers:
+    lg.setLevel(logging.CRITICAL + 1)
+  try:
+    yield
+  finally:
+    gc.collect()  # asyncio logs a failed task's error when the task is collected: do that now
+    for lg, level in zip(loggers, levels):
+      lg.setLevel(level)
+
+
+def _drop_stray_read_errors() -> None:
+  """When a restore fails, reads still in flight in tensorstore complete into orbax's closed event
+  loop, and each prints 'RuntimeError: Event loop is closed' as an unraisable error; drop those."""
+  if getattr(sys.unraisablehook, 'drops_stray_reads', False):
+    return
+  previous = sys.unraisablehook
+
+  def hook(args):
+    if not (args.exc_type is RuntimeError and str(args.exc_value) == 'Event loop is closed'):
+      previous(args)
+  hook.drops_stray_reads = True
+  sys.unraisablehook = hook
+
+
 class Checkpointer:
   """Saves {state, data iterator} every `every_steps` (and on demand); restores the latest."""
 
   def __init__(self, directory: str, *, every_steps: int, max_to_keep: int):
+    check_options(every_steps, max_to_keep)
     self.directory, self.every_steps, self.max_to_keep = os.path.abspath(directory), every_steps, max_to_keep
     self.manager = self._open()
 
@@ -93,9 +137,11 @@ class Checkpointer:
     deleted. If every checkpoint is unreadable, raises RuntimeError.
     """
     steps = sorted(self.all_steps(), reverse=True)
+    _drop_stray_read_errors()
     for i, step in enumerate(steps):
       try:
-        return step, self.restore(step, abstract_state, iterator)
+        with _quiet_logs():
+          return step, self.restore(step, abstract_state, iterator)
       except Exception as e:  # orbax and tensorstore raise many types for damaged files
         fallback = steps[i + 1] if i + 1 < len(steps) else None
         aside = self._move_aside(step)

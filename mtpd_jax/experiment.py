@@ -10,11 +10,12 @@ import copy
 import hashlib
 import json
 import os
+import re
 
 import ml_collections
 import numpy as np
 
-from mtpd_jax import evaluate, looped, recipe, report, train
+from mtpd_jax import checkpoint, evaluate, looped, recipe, report, train, workdir_lock
 
 SUMMARY = 'summary.json'
 
@@ -47,15 +48,45 @@ def with_seed(config: ml_collections.ConfigDict, i: int) -> ml_collections.Confi
   return c
 
 
+def run_places(name: str, arg: str = '', workdir: str | None = None,
+               results_dir: str | None = None) -> tuple[str, str]:
+  """(workdir, report folder) of a run of config NAME or NAME:arg.
+
+  NAME:arg gets its own runs/NAME-arg and results/NAME-arg, so a smoke run (`:quick`) and the full
+  run never share checkpoints or a report. A report lives with its run: given a workdir, the report
+  goes to <workdir>/report unless `results_dir` says otherwise (docs/design.md, "Workdirs").
+  """
+  label = name + (f'-{re.sub(r"[^A-Za-z0-9_.=+-]", "_", arg)}' if arg else '')
+  if workdir is None:
+    return os.path.join('runs', label), results_dir or os.path.join('results', label)
+  return workdir, results_dir or os.path.join(workdir, 'report')
+
+
+def with_base(config: ml_collections.ConfigDict, root: str = 'runs') -> ml_collections.ConfigDict:
+  """`config` as it trains: continued from its cached base model when `base.steps` > 0."""
+  config = copy.deepcopy(config)
+  if config.base.steps and not config.train.init_from:
+    config.train.init_from = base_workdir(config, root)
+  return config
+
+
 def run_point(config: ml_collections.ConfigDict, workdir: str, *, root: str = 'runs',
               progress: bool = True) -> dict:
-  """Train one variant (from the cached base model when `base.steps` > 0), evaluate it, save a summary."""
-  original, config = config, copy.deepcopy(config)
-  if config.base.steps and not config.train.init_from:
-    bdir = base_workdir(config, root)
+  """Train one variant (from the cached base model when `base.steps` > 0), evaluate it, save a summary.
+
+  The workdir is locked throughout (workdir_lock); the shared base model's workdir while it trains.
+  """
+  with workdir_lock.hold(workdir):
+    return _run_point(config, workdir, root=root, progress=progress)
+
+
+def _run_point(config, workdir, *, root, progress):
+  original, config = config, with_base(config, root)
+  if config.train.init_from and config.train.init_from != original.train.init_from:
+    bdir = config.train.init_from
     print(f'[base] plain LM, {config.base.steps} steps -> {bdir}', flush=True)
-    train.train_and_evaluate(base_config(config), bdir, progress=progress)
-    config.train.init_from = bdir
+    with workdir_lock.hold(bdir, wait=True):  # another sweep may be training the same base
+      train.train_and_evaluate(base_config(config), bdir, progress=progress)
   if config.looped.schedule:
     _, final = looped.run_looped(config, workdir, progress=progress)
     model_dir = looped.stage_configs(config, workdir)[-1][1]
@@ -73,7 +104,15 @@ def run_point(config: ml_collections.ConfigDict, workdir: str, *, root: str = 'r
 
 def evaluate_workdir(workdir: str, draft_depth: int | None = None, *, write: bool = True) -> dict:
   """Speculative decoding of the workdir's model on its config's prompt sets; writes eval.json/.md/.png
-  (unless `write` is False, e.g. for another draft depth than the run's own report)."""
+  (unless `write` is False, e.g. for another draft depth than the run's own report).
+
+  Refuses (workdir_lock.WorkdirLocked) a workdir that another process is training.
+  """
+  with workdir_lock.hold(workdir, create=False):
+    return _evaluate_workdir(workdir, draft_depth, write=write)
+
+
+def _evaluate_workdir(workdir, draft_depth, *, write):
   model, config = train.restore_model(workdir)
   depth = draft_depth or config.eval.draft_depth or config.mtp.num_heads
   it = recipe.make_data_iterator(config, 'eval')
@@ -134,7 +173,12 @@ def sweep_points(sweep: list[dict]) -> list[tuple[str, dict]]:
 
 def run_sweep(config: ml_collections.ConfigDict, sweep: list[dict], workdir: str, results_dir: str, *,
               indices=None, root: str = 'runs', progress: bool = True) -> str:
-  """Run every point (or `indices`) for `config.seeds` seeds, then write the report to `results_dir`."""
+  """Run every point (or `indices`) for `config.seeds` seeds, then write the report to `results_dir`.
+
+  Each point's workdir is locked while it runs, so two processes may run different points of one
+  sweep (`--sweep_index`), but never the same one.
+  """
+  checkpoint.check_options(config.ckpt.every_steps, config.ckpt.max_to_keep)
   points = sweep_points(sweep)
   runs = []
   for i in (range(len(points)) if indices is None else indices):
@@ -148,7 +192,7 @@ def run_sweep(config: ml_collections.ConfigDict, sweep: list[dict], workdir: str
     run_dir = _point_dir(workdir, i, s, len(points), config.seeds)
     tag = f'[{label}{"" if config.seeds == 1 else f" seed {s}"}]'
     summary_path = os.path.join(run_dir, SUMMARY)
-    train.check_workdir(c, run_dir)
+    train.check_workdir(with_base(c, root), run_dir)
     if os.path.exists(summary_path):  # a rerun skips finished points, if they are this config's
       with open(summary_path) as f:
         if json.load(f).get('config') != _digest(c.to_json()):
@@ -178,5 +222,5 @@ def write_sweep_report(config: ml_collections.ConfigDict, points, workdir: str, 
         dirs.append(runs[-1]['model_dir'])
     rows.append((label, runs))
     run_dirs.append(dirs)
-  return report.write(rows, run_dirs, results_dir, title=os.path.basename(os.path.normpath(results_dir)),
+  return report.write(rows, run_dirs, results_dir, title=os.path.basename(os.path.normpath(workdir)),
                       num_seeds=config.seeds)

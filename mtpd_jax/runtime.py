@@ -2,6 +2,7 @@
 and the workdir checks that keep a resumed run from mixing with another model's checkpoints."""
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -15,9 +16,22 @@ import numpy as np
 # restorable by a config that agrees on all of them.
 STATE_SHAPING_FIELDS = ('model', 'mtp.num_heads', 'train.trainable')
 
+# The only fields (or groups) that may differ when a run resumes: how long it runs (the learning
+# rate schedule follows the new train.steps from the resumed step on), what it logs, when it
+# checkpoints, how it is evaluated and laid out on devices, and how a sweep or looped run
+# generates this run's config (its effect shows in the run's own fields). Any other difference
+# changes the model, the loss or the data order, and a resume is refused (design.md, "Workdirs").
+MAY_CHANGE_ON_RESUME = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_batches',
+                        'train.on_nan', 'train.resume', 'train.loss_chunk_rows', 'eval', 'ckpt', 'mesh',
+                        'data.cache_dir', 'seeds', 'base', 'looped')
+
 
 class Preempted(Exception):
-  """Training stopped on a signal after checkpointing `step`; rerunning the command resumes."""
+  """Training stopped on a signal after checkpointing `step`; rerunning the command resumes.
+
+  In a multi-process run the processes have already left jax.distributed together
+  (`leave_together`): the process should only exit.
+  """
 
   def __init__(self, step: int, signum: int):
     super().__init__(f'stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved, '
@@ -25,16 +39,30 @@ class Preempted(Exception):
     self.step, self.signum = step, signum
 
 
+def _multi_process() -> bool:
+  from jax._src import distributed  # pylint: disable=import-outside-toplevel
+  return jax.process_count() > 1 and distributed.global_state.client is not None
+
+
 class PreemptionGuard:
-  """SIGTERM/SIGINT ask the loop to checkpoint after the current step; a second signal exits at once."""
+  """SIGTERM/SIGINT ask the loop to checkpoint after the current step; a second signal exits at once.
+
+  In a multi-process run SIGTERM is jax's preemption notice: jax.distributed.initialize installs its
+  own SIGTERM handler, which tells every process, and `reached_preemption_sync_point(step)` is
+  True on all of them at the same step, the first one that no process has passed yet (design.md,
+  "Preemption"). A SIGINT there is turned into that notice (the process sends itself SIGTERM).
+  """
 
   def __init__(self):
     self.signum = None
     self._previous = {}
+    self._multi = False
 
   def __enter__(self):
+    self._multi = _multi_process()
     if threading.current_thread() is threading.main_thread():  # handlers can only live there
-      for sig in (signal.SIGTERM, signal.SIGINT):
+      # Multi-process: SIGTERM stays with jax's handler; a Python one would replace it.
+      for sig in (signal.SIGINT,) if self._multi else (signal.SIGTERM, signal.SIGINT):
         self._previous[sig] = signal.signal(sig, self._handle)
     return self
 
@@ -50,27 +78,65 @@ class PreemptionGuard:
     self.signum = signum
     print(f'\n{signal.Signals(signum).name}: saving a checkpoint after this step, then stopping '
           '(send it again to exit at once)', file=sys.stderr, flush=True)
+    if self._multi:
+      os.kill(os.getpid(), signal.SIGTERM)  # to jax's notifier, which tells the other processes
 
-  def requested(self) -> bool:
-    """True on every process once any process got a signal (all stop at the same step)."""
-    flag = self.signum is not None
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-      flag = bool(np.any(multihost_utils.process_allgather(np.array(flag))))
-      self.signum = self.signum or (signal.SIGTERM if flag else None)
-    return flag
+  def requested(self, step: int) -> bool:
+    """Whether to checkpoint and stop after `step`: the same answer, at the same step, on every process.
+
+    Call it after every step of the loop (the preemption sync point needs every step's number).
+    """
+    if not self._multi:
+      return self.signum is not None
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    if multihost_utils.reached_preemption_sync_point(step):
+      self.signum = self.signum or signal.SIGTERM
+      return True
+    return False
+
+
+def leave_together() -> None:
+  """Leave jax.distributed on every process together, before a stopped multi-process run exits.
+
+  Process 0 hosts the coordination service. Were it to exit as soon as its own last barrier (the
+  checkpoint's) returned, another process could still be waiting for that barrier's reply and fail
+  with 'Socket closed'. jax.distributed.shutdown() is one more barrier, after which process 0 stops
+  the service only once every process has left it.
+  """
+  if _multi_process():
+    jax.distributed.shutdown()
 
 
 class MetricsLog:
-  """`metrics.jsonl` in the workdir (process 0 only), truncated to the resumed step on restart."""
+  """`metrics.jsonl` in the workdir (process 0 only), truncated to the resumed step on restart.
+
+  A last line cut short (a crash while writing it) is dropped with one warning; an unreadable line
+  before the last is refused naming the file and the line.
+  """
 
   def __init__(self, path: str, resume_step: int):
     self.path = path
     self.enabled = jax.process_index() == 0
     if self.enabled and os.path.exists(path):
-      with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)['step'] <= resume_step]
-      with open(path, 'w') as f:
+      with open(path, 'rb') as f:
+        lines = f.read().split(b'\n')
+      kept = []
+      for i, line in enumerate(lines, 1):
+        if not line.strip():
+          continue
+        try:
+          record = json.loads(line)
+          step = record['step']
+        except (ValueError, KeyError, TypeError) as e:
+          if any(rest.strip() for rest in lines[i:]):
+            raise ValueError(f'{path}, line {i}: not a metrics record ({type(e).__name__}: {e}); '
+                             'repair or delete that line to resume') from None
+          logging.warning('%s, line %d: dropped a line cut short (%d bytes), written when the run was '
+                          'stopped mid-write', path, i, len(line))
+          continue
+        if step <= resume_step:
+          kept.append(line + b'\n')
+      with open(path, 'wb') as f:
         f.writelines(kept)
 
   def write(self, record: dict[str, Any]) -> None:
@@ -113,6 +179,27 @@ def state_mismatch(saved: dict, current: dict) -> list[str]:
     diffs += [f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in sorted(set(a) | set(b))
               if json.dumps(a.get(k)) != json.dumps(b.get(k))]
   return diffs
+
+
+def _inactive(flat: dict, key: str) -> bool:
+  """Fields that do nothing in this config: the MTP/distillation knobs of a plain LM (K = 0) or of
+  an MTP run without distillation."""
+  no_heads = not flat.get('mtp.num_heads')
+  if key.startswith('mtp.') and key != 'mtp.num_heads':
+    return no_heads
+  if key.startswith('distill.') and key != 'distill.enabled':
+    return no_heads or not flat.get('distill.enabled')
+  return False
+
+
+def resume_mismatch(saved: dict, current: dict) -> list[str]:
+  """'field: saved -> current' for every field that differs and must not change on resume."""
+  a, b = _flatten(saved, ''), _flatten(current, '')
+  a, b = ({k[1:]: v for k, v in x.items()} for x in (a, b))
+  may = lambda k: any(k == f or k.startswith(f + '.') for f in MAY_CHANGE_ON_RESUME)
+  return [f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in sorted(set(a) | set(b))
+          if json.dumps(a.get(k)) != json.dumps(b.get(k)) and not may(k)
+          and not (_inactive(a, k) and _inactive(b, k))]
 
 
 def write_config_atomically(path: str, text: str) -> None:

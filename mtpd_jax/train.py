@@ -17,7 +17,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mtpd_jax import checkpoint, fused_loss, gguf_llama, losses, moe, recipe, runtime, sharding
+from mtpd_jax import (checkpoint, fused_loss, gguf_llama, losses, moe, recipe, runtime, sharding,
+                      workdir_lock)
 from mtpd_jax.model import MTPTransformer
 
 
@@ -198,16 +199,26 @@ def evaluate_loss(config, state, eval_fn, mesh) -> dict[str, float]:
 
 
 def check_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Refuse a workdir whose checkpoints this config must not touch (another model, or resume=never)."""
+  """Refuse a workdir whose checkpoints this config must not touch: another model, a resume that
+  would change the loss or the data order (runtime.MAY_CHANGE_ON_RESUME lists what may change),
+  checkpoints without the config.json that says what they are, or any reuse under resume=never."""
   ckpt_dir = os.path.join(workdir, 'checkpoints')
   if not (os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))):
     return
   if config.train.resume == 'never':
     raise ValueError(f'train.resume=never, but {workdir} already holds checkpoints; choose a fresh --workdir')
-  if os.path.exists(os.path.join(workdir, 'config.json')):
-    diffs = runtime.state_mismatch(saved_config(workdir).to_dict(), json.loads(config.to_json()))
-    if diffs:
-      raise ValueError(f'{workdir} holds checkpoints of another model ({"; ".join(diffs)}); use another --workdir')
+  if not os.path.exists(os.path.join(workdir, 'config.json')):
+    raise ValueError(f'{workdir} holds checkpoints but no config.json, so nothing says which model they '
+                     'belong to; put its config.json back or use another --workdir')
+  saved, current = saved_config(workdir).to_dict(), json.loads(config.to_json())
+  diffs = runtime.state_mismatch(saved, current)
+  if diffs:
+    raise ValueError(f'{workdir} holds checkpoints of another model ({"; ".join(diffs)}); use another --workdir')
+  diffs = runtime.resume_mismatch(saved, current)
+  if diffs:
+    raise ValueError(f'{workdir} holds a run with other settings ({"; ".join(diffs)}); resume it with its own '
+                     'settings (only logging, evaluation, checkpoint, mesh and train.steps may change) '
+                     'or use another --workdir')
 
 
 def _resume_or_init(config, workdir, ckpt, abstract, shardings, mesh, train_it):
@@ -229,12 +240,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
   runtime.Preempted; a non-finite step raises FloatingPointError (or is skipped: train.on_nan).
   """
   recipe.validate_config(config)
-  os.makedirs(workdir, exist_ok=True)
+  checkpoint.check_options(config.ckpt.every_steps, config.ckpt.max_to_keep)
   mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
   if config.data.batch_size % sharding.data_parallel_size(mesh):
     raise ValueError(f'data.batch_size={config.data.batch_size} is not divisible by the '
                      f'{sharding.data_parallel_size(mesh)}-way data-parallel mesh axes')
-  with jax.set_mesh(mesh), runtime.PreemptionGuard() as guard:
+  with workdir_lock.hold(workdir), jax.set_mesh(mesh), runtime.PreemptionGuard() as guard:
     abstract, shardings = abstract_train_state(config, mesh)
     step_fn, eval_fn = make_steps(config, mesh, shardings)
     train_it = recipe.make_data_iterator(config, 'train')
@@ -271,7 +282,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
       if pending is not None:
         flush(*pending)
       pending = (step, metrics)
-      stop = guard.requested()
+      stop = guard.requested(step)
       if (ckpt.should_save(step) or stop) and step != config.train.steps:
         flush(*pending)  # never checkpoint a state that a non-finite step produced
         pending = None
@@ -279,6 +290,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
         if stop:
           bar.close()
           ckpt.close()
+          runtime.leave_together()
           raise runtime.Preempted(step, guard.signum)
       if config.train.eval_every and step % config.train.eval_every == 0:
         log.write({'step': step, **evaluate_loss(config, state, eval_fn, mesh)})
@@ -300,7 +312,12 @@ def saved_config(workdir: str) -> ml_collections.ConfigDict:
   if not os.path.exists(path):
     raise FileNotFoundError(f'{workdir} holds no config.json: not a training workdir')
   with open(path) as f:
-    saved = json.load(f)
+    try:
+      saved = json.load(f)
+    except ValueError as e:
+      raise ValueError(f'{path} is not valid JSON ({e}); restore it from a copy or use another --workdir') from None
+  if not isinstance(saved, dict):
+    raise ValueError(f'{path} holds {type(saved).__name__}, not a config')
   return ml_collections.ConfigDict(runtime.with_defaults(saved, json.loads(base.get_config().to_json())))
 
 
