@@ -54,7 +54,7 @@ def run_places(name: str, arg: str = '', workdir: str | None = None,
 
   NAME:arg gets its own runs/NAME-arg and results/NAME-arg, so a smoke run (`:quick`) and the full
   run never share checkpoints or a report. A report lives with its run: given a workdir, the report
-  goes to <workdir>/report unless `results_dir` says otherwise (docs/design.md, "Workdirs").
+  goes to <workdir>/report unless `results_dir` says otherwise.
   """
   label = name + (f'-{re.sub(r"[^A-Za-z0-9_.=+-]", "_", arg)}' if arg else '')
   if workdir is None:

@@ -20,7 +20,7 @@ STATE_SHAPING_FIELDS = ('model', 'mtp.num_heads', 'train.trainable')
 # rate schedule follows the new train.steps from the resumed step on), what it logs, when it
 # checkpoints, how it is evaluated and laid out on devices, and how a sweep or looped run
 # generates this run's config (its effect shows in the run's own fields). Any other difference
-# changes the model, the loss or the data order, and a resume is refused (design.md, "Workdirs").
+# changes the model, the loss or the data order, and a resume is refused.
 MAY_CHANGE_ON_RESUME = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_batches',
                         'train.on_nan', 'train.resume', 'train.loss_chunk_rows', 'eval', 'ckpt', 'mesh',
                         'data.cache_dir', 'seeds', 'base', 'looped')
@@ -49,8 +49,9 @@ class PreemptionGuard:
 
   In a multi-process run SIGTERM is jax's preemption notice: jax.distributed.initialize installs its
   own SIGTERM handler, which tells every process, and `reached_preemption_sync_point(step)` is
-  True on all of them at the same step, the first one that no process has passed yet (design.md,
-  "Preemption"). A SIGINT there is turned into that notice (the process sends itself SIGTERM).
+  True on all of them at the same step, the first one that no process has passed yet. A SIGINT
+  there is turned into that notice (the process sends itself SIGTERM); a second SIGTERM does
+  nothing more (jax's handler stays), a second SIGINT exits at once.
   """
 
   def __init__(self):
@@ -93,6 +94,17 @@ class PreemptionGuard:
       self.signum = self.signum or signal.SIGTERM
       return True
     return False
+
+
+_barriers = [0]
+
+
+def sync_processes(name: str, timeout_s: int = 1800) -> None:
+  """Wait until every process gets here: a coordination-service barrier, not a device collective."""
+  if _multi_process():
+    from jax._src import distributed  # pylint: disable=import-outside-toplevel
+    _barriers[0] += 1  # every process makes the same calls in the same order: the same names
+    distributed.global_state.client.wait_at_barrier(f'mtpd_jax/{name}/{_barriers[0]}', timeout_s * 1000)
 
 
 def leave_together() -> None:

@@ -253,9 +253,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
                                    every_steps=config.ckpt.every_steps, max_to_keep=config.ckpt.max_to_keep)
     ckpt.check_free_space(abstract)
     state, start = _resume_or_init(config, workdir, ckpt, abstract, shardings, mesh, train_it)
+    log = runtime.MetricsLog(os.path.join(workdir, 'metrics.jsonl'), start)  # may refuse: before config.json
     if jax.process_index() == 0:
       runtime.write_config_atomically(os.path.join(workdir, 'config.json'), config.to_json(indent=2))
-    log = runtime.MetricsLog(os.path.join(workdir, 'metrics.jsonl'), start)
     tokens_per_step = config.data.batch_size * config.data.seq_len
     bar = runtime.progress_bar(progress, start, config.train.steps)
     pending, last_log = None, (start, time.perf_counter())
@@ -277,8 +277,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
         bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
       bar.update(1)
 
+    batch = sharding.put_batch(next(train_it), mesh) if start < config.train.steps else None
+    if batch is not None and jax.process_count() > 1:
+      # Each process compiles (and restored) on its own; under load one can lag the other by more
+      # than the 30 s within which gloo must set up a new device group at a program's first run.
+      # Compile first, then meet at a coordination-service barrier, which has no such deadline.
+      step_fn, eval_fn = step_fn.lower(state, batch).compile(), eval_fn.lower(state, batch).compile()
+      runtime.sync_processes('compiled')
     for step in range(start + 1, config.train.steps + 1):
-      state, metrics = step_fn(state, sharding.put_batch(next(train_it), mesh))
+      batch = batch if batch is not None else sharding.put_batch(next(train_it), mesh)
+      state, metrics = step_fn(state, batch)
+      batch = None
       if pending is not None:
         flush(*pending)
       pending = (step, metrics)

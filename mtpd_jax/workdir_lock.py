@@ -5,7 +5,7 @@ releases an flock when its process ends in any way (SIGKILL included), so a lock
 still there but not locked was left by a dead process: it is taken over with one warning. A clean
 release removes the file, so a workdir looks as it did before. Locks are re-entrant within a
 process (a sweep point holds its workdir while `train_and_evaluate` takes it again). In a
-multi-process run only process 0 holds it (docs/design.md, "Workdirs").
+multi-process run only process 0 holds it.
 """
 
 import contextlib
