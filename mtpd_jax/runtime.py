@@ -55,7 +55,7 @@ class PreemptionGuard:
   """
 
   def __init__(self):
-    self.signum = None
+    self.signum, self.step = None, 0
     self._previous = {}
     self._multi = False
 
@@ -82,15 +82,13 @@ class PreemptionGuard:
     if self._multi:
       os.kill(os.getpid(), signal.SIGTERM)  # to jax's notifier, which tells the other processes
 
-  def requested(self, step: int) -> bool:
-    """Whether to checkpoint and stop after `step`: the same answer, at the same step, on every process.
-
-    Call it after every step of the loop (the preemption sync point needs every step's number).
-    """
+  def requested(self) -> bool:
+    """Whether to checkpoint and stop after step `self.step`: the same answer at the same step on
+    every process. The loop sets `step` and asks after every step (the sync point needs each one)."""
     if not self._multi:
       return self.signum is not None
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-    if multihost_utils.reached_preemption_sync_point(step):
+    if multihost_utils.reached_preemption_sync_point(self.step):
       self.signum = self.signum or signal.SIGTERM
       return True
     return False

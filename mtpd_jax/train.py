@@ -291,7 +291,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
       if pending is not None:
         flush(*pending)
       pending = (step, metrics)
-      stop = guard.requested(step)
+      guard.step = step  # the multi-process sync point compares step numbers
+      stop = guard.requested()
       if (ckpt.should_save(step) or stop) and step != config.train.steps:
         flush(*pending)  # never checkpoint a state that a non-finite step produced
         pending = None
