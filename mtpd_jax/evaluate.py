@@ -124,7 +124,7 @@ def step_seconds(model: MTPTransformer, prompts, settings: dict[str, decode.Deco
   return {name: max(best[name, 8 + num_steps] - best[name, 8], 1e-9) / num_steps for name in settings}
 
 
-def _teacher_forced(model: MTPTransformer, prompts, continuations, draft_depth: int) -> dict:
+def teacher_forced(model: MTPTransformer, prompts, continuations, draft_depth: int) -> dict:
   """Teacher-forced AR/CAR on prompt + continuation, over chains that lie inside the continuation."""
   seqs = [np.concatenate([p, c]) for p, c in zip(prompts, continuations)]
   tokens_BxT, _ = decode.pad_prompts(seqs, 64)
@@ -157,7 +157,7 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max
                        pad_multiple=pad_multiple, num_steps=timing_steps, repeats=timing_repeats,
                        draft_vocabs={'spec': draft_vocab})
   plain_step, spec_step = costs['plain'], costs['spec']
-  tf = _teacher_forced(model, prompts, plain.tokens, draft_depth)
+  tf = teacher_forced(model, prompts, plain.tokens, draft_depth)
   plain_tps, spec_tps = plain_tokens / plain_s, spec_tokens / spec_s
   return {
       **stats,
