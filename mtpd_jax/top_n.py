@@ -9,7 +9,7 @@ needs only reductions over V, which vectorise on CPU and shard over a vocab-shar
 brackets the N-th largest logit on a strided sample of M ≈ 1024 logits first (passes of M, not
 V), checks the bracket with one pass over V and refines it there; once most rows are done, the
 open ones are gathered, so the slowest rows do not cost passes over every row. On rows of
-V = 32k (N = 8.1%) that is about 7 passes' worth in place of about 20.
+V = 32k (N = 8.1%) that is 8-12 passes' worth in place of about 20 (about half the time).
 
 The set `logits > c` equals top_k's when the logits are distinct; logits tied with the N-th
 largest are all selected. +inf logits rank first; -inf logits are never selected (when fewer
