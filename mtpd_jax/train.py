@@ -279,10 +279,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
 
     batch = sharding.put_batch(next(train_it), mesh) if start < config.train.steps else None
     if batch is not None and jax.process_count() > 1:
-      # Each process compiles (and restored) on its own; under load one can lag the other by more
-      # than the 30 s within which gloo must set up a new device group at a program's first run.
+      # Each process restores and compiles on its own; under load one can lag the other by more
+      # than the 30 s within which gloo must set up a device group at a program's first run.
       # Compile first, then meet at a coordination-service barrier, which has no such deadline.
-      step_fn, eval_fn = step_fn.lower(state, batch).compile(), eval_fn.lower(state, batch).compile()
+      step_fn = step_fn.lower(state, batch).compile()
       runtime.sync_processes('compiled')
     for step in range(start + 1, config.train.steps + 1):
       batch = batch if batch is not None else sharding.put_batch(next(train_it), mesh)

@@ -44,6 +44,10 @@ def _wait_all(procs, timeout_s: float = TIMEOUT_S) -> None:
     while not all(p.poll() == 0 for _, p, _ in procs):
       failed = any(p.poll() not in (None, 0) for _, p, _ in procs)
       if failed or time.monotonic() > deadline:
+        for _, p, _ in procs:  # every live worker prints its Python stacks into its log first
+          if p.poll() is None:
+            p.send_signal(signal.SIGUSR1)
+        time.sleep(2)
         _kill(procs)
         logs = '\n'.join(f'--- {name} (exit {p.returncode}) ---\n{log.read_text()[-4000:]}'
                          for name, p, log in procs)

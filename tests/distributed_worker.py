@@ -39,9 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mtpd_jax import recipe, sharding, train
+from mtpd_jax import recipe, runtime, sharding, train
 from tests.conftest import small_config
 
 
@@ -58,9 +58,15 @@ def worker_config(steps: int = NUM_STEPS):
 
 
 def host_params(params) -> dict[str, np.ndarray]:
-  """Every parameter as a whole numpy array (on every process), keyed `param<path>`."""
-  return {'param' + jax.tree_util.keystr(path): np.asarray(multihost_utils.process_allgather(x, tiled=True))
-          for path, x in jax.tree_util.tree_leaves_with_path(params)}
+  """Every parameter as a whole numpy array (on every process), keyed `param<path>`.
+
+  One jitted gather of the whole tree: gathering leaf by leaf compiles a program per leaf, which
+  on a loaded machine took minutes.
+  """
+  replicated = jax.tree.map(lambda x: NamedSharding(x.sharding.mesh, P()), params)
+  gathered = jax.jit(lambda t: t, out_shardings=replicated)(params)
+  return {'param' + jax.tree_util.keystr(path): np.asarray(x.addressable_data(0))
+          for path, x in jax.tree_util.tree_leaves_with_path(gathered)}
 
 
 def run_steps(config) -> dict[str, np.ndarray]:
@@ -100,11 +106,14 @@ def main(args):
     np.savez(args.out, process_count=jax.process_count(), device_count=jax.device_count(),
              local_device_count=jax.local_device_count(), **out)
   if jax.process_count() > 1:
-    multihost_utils.sync_global_devices('distributed_worker done')
+    runtime.sync_processes('distributed_worker done')
     jax.distributed.shutdown()
 
 
 if __name__ == '__main__':
+  import faulthandler
+  import signal
+  faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks before killing a hung pair
   from mtpd_jax.runtime import Preempted
   try:
     main(ARGS)
