@@ -49,7 +49,7 @@ def check_quick_sweep(name: str, tmp_path, env) -> dict:
   """Run NAME:quick and check its report: every row decoded losslessly to its depth, with sane rates."""
   workdir = tmp_path / 'runs' / name
   _run([f'--config={name}:quick', f'--workdir={workdir}'], tmp_path, env)
-  results_dir = tmp_path / 'results' / name
+  results_dir = workdir / 'report'  # a run given --workdir keeps its report there
   report = (results_dir / 'results.md').read_text()
   for image in ('acceptance.png', 'loss_curves.png'):
     assert (results_dir / image).stat().st_size > 0
