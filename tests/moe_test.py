@@ -238,7 +238,7 @@ def test_speculative_greedy_with_a_moe_model_equals_plain_greedy(trained_moe, de
 
 
 def test_bad_moe_values_are_refused():
-  with pytest.raises(ValueError, match='top_k=5 must lie in 1..num_experts=4'):
+  with pytest.raises(ValueError, match=r'model\.moe\.top_k=5 must lie in 1\.\.model\.moe\.num_experts=4'):
     recipe.validate_config(_bad(top_k=5))
   with pytest.raises(ValueError, match='group_size=5 does not divide data.seq_len=16'):
     recipe.validate_config(_bad(group_size=5))
