@@ -13,9 +13,12 @@ import os
 
 from absl import app, flags, logging
 
-_WORKDIR = flags.DEFINE_string('workdir', None, 'a training workdir (config.json + checkpoints)',
-                               required=True)
-_DRAFT_DEPTH = flags.DEFINE_integer('draft_depth', 0, 'drafts per step; 0 = eval.draft_depth or K')
+
+def _define_flags() -> None:
+  """This entry point's flags, defined when it runs (not on import), so that a process that also
+  imports experiments.run (tests do) does not define --workdir twice."""
+  flags.DEFINE_string('workdir', None, 'a training workdir (config.json + checkpoints)', required=True)
+  flags.DEFINE_integer('draft_depth', 0, 'drafts per step; 0 = eval.draft_depth or K')
 
 
 def _fmt(x) -> str:
@@ -46,8 +49,9 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
   from mtpd_jax import experiment  # after flag parsing, so --help stays fast
-  check_inputs(_WORKDIR.value, _DRAFT_DEPTH.value)
-  out = experiment.evaluate_workdir(_WORKDIR.value, _DRAFT_DEPTH.value or None)
+  workdir, draft_depth = flags.FLAGS.workdir, flags.FLAGS.draft_depth
+  check_inputs(workdir, draft_depth)
+  out = experiment.evaluate_workdir(workdir, draft_depth or None)
   for name, r in out['prompt_sets'].items():
     for k, (ar, car) in enumerate(zip(r['ar'], r['car']), 1):
       print(f'eval/{name}/ar/k{k}={_fmt(ar)} eval/{name}/car/k{k}={_fmt(car)}')
@@ -56,12 +60,13 @@ def main(argv):
         'lossless')))
   heldout = out['heldout']
   print(f"eval/heldout/loss={heldout['loss']:.4f} eval/heldout/accuracy={heldout['accuracy']:.4f}")
-  print(f'wrote {_WORKDIR.value}/eval.json, eval.md, eval.png', flush=True)
+  print(f'wrote {workdir}/eval.json, eval.md, eval.png', flush=True)
 
 
 def run():
   """The entry point: bad input is one `error:` line and exit 2 (mtpd_jax/cli.py)."""
   from mtpd_jax import cli
+  _define_flags()
   cli.run(lambda: app.run(main, flags_parser=cli.parse_absl_flags))
 
 
