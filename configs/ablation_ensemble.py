@@ -1,5 +1,5 @@
 """Table 6 (K=4): "ensemble mean", read as a teacher that averages every earlier predictor of the
-same token (the main head and heads 1..k-1), against the main head alone (SPEC §3, [I])."""
+same token (the main head and heads 1..k-1), against the main head alone (our reading: docs/design.md, "Choices where the paper is silent")."""
 
 from configs import paper
 

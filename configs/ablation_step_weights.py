@@ -1,4 +1,4 @@
-"""Table 6 (K=4): "step weights", read as β_k varying with the head's depth k (SPEC §3, [I])."""
+"""Table 6 (K=4): "step weights", read as β_k varying with the head's depth k (our reading: docs/design.md, "Choices where the paper is silent")."""
 
 from configs import paper
 

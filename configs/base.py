@@ -1,4 +1,4 @@
-"""The one complete config: every field the library reads, with the paper's defaults (SPEC §2, §6).
+"""The one complete config: every field the library reads, with the paper's defaults (the paper's method and training set-up; docs/design.md).
 
 Other configs start from `get_config()` here and override a few fields; an ablation adds
 `get_sweep()`, a list of flattened overrides, one per run. A new field needs a rule (its type and
@@ -42,12 +42,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.moe.aux_loss_weight = 0.01  # Switch-style load-balancing loss weight (0 = off)
   c.model.moe.bias_update_rate = 0.0  # DeepSeek-V3 aux-loss-free balancing: per-step bias step (0 = off)
 
-  c.mtp = ml_collections.ConfigDict()  # the multi-token-prediction heads (SPEC §2.1)
+  c.mtp = ml_collections.ConfigDict()  # the multi-token-prediction heads (docs/design.md, "Data flow")
   c.mtp.num_heads = 1             # K, DeepSeek-V3-style sequential MTP heads; 0 = plain LM
-  c.mtp.ce_weight = 0.3           # λ; each head's CE weight is α_k = λ/K  (SPEC §2.1, [I])
+  c.mtp.ce_weight = 0.3           # λ; each head's CE weight is α_k = λ/K  (docs/design.md, "Choices where the paper is silent")
   c.mtp.isolate_trunk = False     # stop the MTP losses' gradient into the trunk's hidden state
 
-  c.distill = ml_collections.ConfigDict()  # self-distillation of the heads from the main head (SPEC §2.2-2.6)
+  c.distill = ml_collections.ConfigDict()  # self-distillation of the heads from the main head (docs/design.md)
   c.distill.enabled = True        # False = the plain "MTP" baseline (CE only)
   c.distill.detach = True         # stop-gradient on the teacher logits ("no detach" ablation: False)
   # N (an int) or None = the whole vocabulary; 667 ≈ 8.1% of V, as the paper's 10,000 of 122,880.
@@ -109,11 +109,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.eval_every = 0          # 0 = evaluate only at the end
   c.train.eval_batches = 4        # held-out batches per evaluation of the losses
 
-  c.looped = ml_collections.ConfigDict()  # trained looped extension (SPEC §4.1)
+  c.looped = ml_collections.ConfigDict()  # trained looped extension (the paper's Table 8)
   c.looped.schedule = ()          # head counts per stage, e.g. (1, 2, 4, 8) or (1, 8); () = no loop
   c.looped.stage_steps = 1000     # steps of each stage after the first; only the new heads train
 
-  c.base = ml_collections.ConfigDict()  # experiment protocol (SPEC §1.1: continued pre-training)
+  c.base = ml_collections.ConfigDict()  # experiment protocol: continued pre-training from a base LM
   c.base.steps = 0                # >0: pretrain a plain LM (K=0) this long once per model and data
                                   # config, cached under runs/_base/, and start every variant from it
   c.seeds = 1                     # runs per sweep point; seed i shifts both init and data order

@@ -1,7 +1,7 @@
 """Table 8's deeper loops and Fig. 14: four MTP-D heads looped to 8 and to 16, against 1-head MTP.
 
-The paper cites "4 heads looped to 8: 3.052x" and "4 heads looped to 16: 3.204x" (SPEC §4.1,
-§7 item 7). Rows: 1-head MTP (the baseline), MTP-D with K=4 (loop "4"), training-free looping of
+The paper cites "4 heads looped to 8: 3.052x" and "4 heads looped to 16: 3.204x" (Table 8 and
+Fig. 14). Rows: 1-head MTP (the baseline), MTP-D with K=4 (loop "4"), training-free looping of
 those four heads to depth 16 (MTP-D*), and trained iterated doubling 4 -> 8 and 4 -> 8 -> 16 (each
 stage copies the trained heads, freezes everything else and trains the copies with the MTP-D loss).
 """

@@ -1,8 +1,8 @@
 """The paper's 2B dense model (Table 3: dim 2048, 16 heads, 4 kv heads, head_dim 128, untied, qk-norm).
 
 Not in Table 3, our choices: 32 layers and SwiGLU width 6144 (3·dim), which with the 122,880-token
-vocabulary ([N], SPEC §1.1) give 2.05B parameters (K=0; 0.50B of them the untied embedding and
-output head), 2.10B with one MTP head.
+vocabulary (the paper's base-model description; docs/design.md, "Architectures") give 2.05B
+parameters (K=0; 0.50B of them the untied embedding and output head), 2.10B with one MTP head.
 """
 
 
