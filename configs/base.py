@@ -105,6 +105,11 @@ def get_config() -> ml_collections.ConfigDict:
   # >0: the train loss reads hidden states and the unembedding in chunks of this many rows
   # (fused_loss.py), never the [K+1, B, T, V] logits; 0: losses.mtp_d_loss on the logits.
   c.train.loss_chunk_rows = 256
+  # Frozen trunk only (trainable != 'all'): read the trunk's hidden states from a cache on disk,
+  # computed once per trunk and data (mtpd_jax/trunk_cache.py), instead of running the trunk.
+  c.train.trunk_cache = False
+  c.train.trunk_cache_dir = ''    # '' = <data cache dir>/trunk-<hash of its inputs>
+  c.train.trunk_cache_dtype = 'float32'  # 'float32' (results as without the cache) | 'bfloat16' (half the disk)
   c.train.log_every = 10          # steps between metrics.jsonl lines (and progress-bar updates)
   c.train.eval_every = 0          # 0 = evaluate only at the end
   c.train.eval_batches = 4        # held-out batches per evaluation of the losses

@@ -250,6 +250,12 @@ def shift_left(x_BxT, k: int, fill: Any = 0):
   return jnp.concatenate([x_BxT[:, k:], pad], axis=1)
 
 
+def _positions_and_mask(tokens_BxT, segment_ids_BxT):
+  b, t = tokens_BxT.shape
+  positions_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
+  return positions_BxT, attention_mask(positions_BxT, segment_ids_BxT)
+
+
 class MTPTransformer(nnx.Module):
   """Trunk + shared output head + K MTP heads; embedding and output head are shared by all heads."""
 
@@ -301,15 +307,26 @@ class MTPTransformer(nnx.Module):
                                               positions_BxT, mask_BxTxS, cache)
     return h_BxTxD, cache
 
-  def __call__(self, tokens_BxT, segment_ids_BxT=None, *, isolate_trunk: bool = False) -> ModelOutput:
+  def trunk_hidden(self, tokens_BxT, segment_ids_BxT=None):
+    """h^0 of the training forward (`__call__`): what a trunk-state cache stores (trunk_cache.py)."""
+    positions_BxT, mask_BxTxS = _positions_and_mask(tokens_BxT, segment_ids_BxT)
+    return self._trunk(tokens_BxT, positions_BxT, mask_BxTxS, None, dropless=False)[0]
+
+  def __call__(self, tokens_BxT, segment_ids_BxT=None, *, isolate_trunk: bool = False,
+               trunk_hidden_BxTxD=None) -> ModelOutput:
     """Teacher-forced forward of the main head and all K heads over one (packed) sequence batch.
 
     This is the training forward: MoE layers apply their capacity limit (`moe.capacity_factor`).
+    `trunk_hidden_BxTxD`: h^0 from `trunk_hidden` (a frozen trunk's cached states), skipping the
+    trunk; only the heads and the output head then run (dense models: the trunk routers' terms
+    would be missing from an MoE's aux loss).
     """
     b, t = tokens_BxT.shape
-    positions_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
-    mask_BxTxS = attention_mask(positions_BxT, segment_ids_BxT)
-    h_BxTxD, _, stats = self._trunk(tokens_BxT, positions_BxT, mask_BxTxS, None, dropless=False)
+    positions_BxT, mask_BxTxS = _positions_and_mask(tokens_BxT, segment_ids_BxT)
+    if trunk_hidden_BxTxD is None:
+      h_BxTxD, _, stats = self._trunk(tokens_BxT, positions_BxT, mask_BxTxS, None, dropless=False)
+    else:
+      h_BxTxD, stats = trunk_hidden_BxTxD.astype(jnp.dtype(self.cfg.dtype)), {}
     logits_BxTxV = self.logits(h_BxTxD)
     hiddens, mtp_logits = [h_BxTxD], []
     # isolate_trunk: the MTP losses then train the heads but never move the trunk's hidden state.

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mtpd_jax import corpus, data, evaluate, losses, sharding
+from mtpd_jax import corpus, data, evaluate, losses, sharding, trunk_cache
 from mtpd_jax.model import ModelConfig
 from mtpd_jax.moe import MoEConfig
 
@@ -220,6 +220,9 @@ FIELD_RULES: dict[str, Rule] = {
     'train.resume': one_of('auto', 'never'),
     'train.on_nan': one_of('stop', 'skip'),
     'train.loss_chunk_rows': integer(0),
+    'train.trunk_cache': flag(),
+    'train.trunk_cache_dir': text(),
+    'train.trunk_cache_dtype': one_of(*trunk_cache.DTYPES),
     'train.log_every': integer(1),
     'train.eval_every': integer(0),
     'train.eval_batches': integer(1),
@@ -289,6 +292,12 @@ def _check_cross_fields(config: ml_collections.ConfigDict) -> None:
   resolve_beta(config)  # the schedule applied to the base β
   if d.source == 'tokens' and not d.train_path:
     raise ValueError("data.source='tokens' needs data.train_path, a 1-D .npy file of token ids")
+  if config.train.trunk_cache and config.train.trainable == 'all':
+    raise ValueError("train.trunk_cache=True needs a frozen trunk (train.trainable='mtp_heads' or head "
+                     "indices); with trainable='all' the trunk's states change every step")
+  if config.train.trunk_cache and m.moe.num_experts:
+    raise ValueError('train.trunk_cache=True is not supported for MoE models yet (the trunk routers\' '
+                     'balancing terms would be missing from the loss); set it to False')
   heads = tuple(config.looped.schedule)[-1] if config.looped.schedule else k
   if e.enabled and e.draft_depth and not heads:
     raise ValueError(f'eval.draft_depth={e.draft_depth} drafts with MTP heads, but mtp.num_heads=0')
@@ -452,9 +461,20 @@ def make_source(config: ml_collections.ConfigDict, split: str):
                            split=(0.0, cut) if split == 'train' else (cut, 1.0))
 
 
-def make_data_iterator(config: ml_collections.ConfigDict, split: str):
+def make_trunk_cache(config: ml_collections.ConfigDict) -> trunk_cache.TrunkCache | None:
+  """The run's trunk-state cache (`train.trunk_cache`), unbuilt, or None."""
+  if not config.train.trunk_cache:
+    return None
+  return trunk_cache.TrunkCache(config, config.data.cache_dir or corpus.default_cache_dir())
+
+
+def make_data_iterator(config: ml_collections.ConfigDict, split: str,
+                       cache: trunk_cache.TrunkCache | None = None):
+  """Batches of `split`; with `cache` each record also carries its cached `trunk_hidden`."""
   d = config.data
-  return data.make_iterator(make_source(config, split), global_batch=d.batch_size, seed=d.seed,
+  source = make_source(config, split)
+  source = cache.wrap(source, split) if cache else source
+  return data.make_iterator(source, global_batch=d.batch_size, seed=d.seed,
                             shuffle=d.shuffle and split == 'train', process_index=jax.process_index(),
                             process_count=jax.process_count())
 

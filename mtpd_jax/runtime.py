@@ -23,7 +23,7 @@ STATE_SHAPING_FIELDS = ('model', 'mtp.num_heads', 'train.trainable')
 # changes the model, the loss or the data order, and a resume is refused.
 MAY_CHANGE_ON_RESUME = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_batches',
                         'train.on_nan', 'train.resume', 'train.loss_chunk_rows', 'eval', 'ckpt', 'mesh',
-                        'data.cache_dir', 'seeds', 'base', 'looped')
+                        'data.cache_dir', 'train.trunk_cache_dir', 'seeds', 'base', 'looped')
 
 
 class Preempted(Exception):

@@ -118,7 +118,8 @@ def abstract_train_state(config: ml_collections.ConfigDict, mesh) -> tuple[Train
 def _forward_loss(params, graphdef, batch, *, loss_kw, isolate_trunk, beta_scale, loss_chunk_rows=0,
                   router_bias_delta=False):
   model = nnx.merge(graphdef, params)
-  out = model(batch['inputs'], batch['segment_ids'], isolate_trunk=isolate_trunk)
+  out = model(batch['inputs'], batch['segment_ids'], isolate_trunk=isolate_trunk,
+              trunk_hidden_BxTxD=batch.get('trunk_hidden'))  # a frozen trunk's cached states
   labels = (batch['targets'], batch['segment_ids'], batch['target_segment_ids'])
   if loss_chunk_rows and fused_loss.supported(**loss_kw):
     # The loss reads the final-normed hidden states and the unembedding in row chunks; the model's
@@ -188,9 +189,9 @@ def _to_host(metrics) -> dict[str, float]:
   return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
-def evaluate_loss(config, state, eval_fn, mesh) -> dict[str, float]:
+def evaluate_loss(config, state, eval_fn, mesh, cache=None) -> dict[str, float]:
   """Mean metrics over `train.eval_batches` held-out batches (the same batches every time)."""
-  it = recipe.make_data_iterator(config, 'eval')
+  it = recipe.make_data_iterator(config, 'eval', cache)
   sums: dict[str, float] = {}
   for _ in range(config.train.eval_batches):
     m = _to_host(eval_fn(state, sharding.put_batch(next(it), mesh)))
@@ -248,11 +249,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
   with workdir_lock.hold(workdir), jax.set_mesh(mesh), runtime.PreemptionGuard() as guard:
     abstract, shardings = abstract_train_state(config, mesh)
     step_fn, eval_fn = make_steps(config, mesh, shardings)
-    train_it = recipe.make_data_iterator(config, 'train')
+    cache = recipe.make_trunk_cache(config)
+    train_it = recipe.make_data_iterator(config, 'train', cache)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'),
                                    every_steps=config.ckpt.every_steps, max_to_keep=config.ckpt.max_to_keep)
     ckpt.check_free_space(abstract)
     state, start = _resume_or_init(config, workdir, ckpt, abstract, shardings, mesh, train_it)
+    if cache:  # the frozen trunk's states, built once for every run on this trunk and data
+      cache.build(state.graphdef, state.params, {s: recipe.make_source(config, s) for s in ('train', 'eval')})
     log = runtime.MetricsLog(os.path.join(workdir, 'metrics.jsonl'), start)  # may refuse: before config.json
     if jax.process_index() == 0:
       runtime.write_config_atomically(os.path.join(workdir, 'config.json'), config.to_json(indent=2))
@@ -303,14 +307,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
           runtime.leave_together()
           raise runtime.Preempted(step, guard.signum)
       if config.train.eval_every and step % config.train.eval_every == 0:
-        log.write({'step': step, **evaluate_loss(config, state, eval_fn, mesh)})
+        log.write({'step': step, **evaluate_loss(config, state, eval_fn, mesh, cache)})
     if pending is not None:
       flush(*pending)
     bar.close()
     if ckpt.latest_step() != config.train.steps:
       ckpt.save(config.train.steps, state, train_it)
     ckpt.close()
-    final = evaluate_loss(config, state, eval_fn, mesh)
+    final = evaluate_loss(config, state, eval_fn, mesh, cache)
     log.write({'step': config.train.steps, **final})
     return state, final
 

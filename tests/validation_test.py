@@ -178,6 +178,10 @@ CASES = [
     ('late', {**_tokens('good.npy'), **_jsonl('ids_ok', 'ids')}, "ids_ok.jsonl:1: no field 'ids'"),
     ('late', {**_tokens('good.npy'), 'eval.jsonl': ('mine={d}/missing.jsonl',)}, 'missing.jsonl does not exist'),
     ('late', {'data.source': 'tokens', 'data.train_path': ''}, "data.source='tokens' needs data.train_path"),
+    ('late', {'train.trunk_cache': True}, 'train.trunk_cache=True needs a frozen trunk'),
+    ('late', {'train.trunk_cache': True, 'train.trainable': 'mtp_heads', 'model.moe.num_experts': 4},
+     'not supported for MoE models yet'),
+    ('late', {'train.trunk_cache_dtype': 'float16'}, "train.trunk_cache_dtype='float16' must be"),
     # Unclear: the message must name the file (and line), and say what is wrong in our terms.
     ('unclear', _tokens('text.npy'), 'text.npy is not a .npy array file'),
     ('unclear', _tokens('truncated.npy'), 'truncated.npy is truncated'),
