@@ -10,6 +10,7 @@ Rerunning the same command resumes from the latest checkpoint in the workdir.
 
 import copy
 import importlib.util
+import inspect
 import os
 import sys
 
@@ -63,9 +64,12 @@ def load_config_module(path: str):
 
 
 def load_sweep(path: str) -> list[dict]:
-  """get_sweep() of the config module, or one empty point if it has none."""
+  """get_sweep() of the config module (given the ':arg' if it takes one), or one empty point."""
   module = load_config_module(path)
-  return module.get_sweep() if hasattr(module, 'get_sweep') else [{}]
+  if not hasattr(module, 'get_sweep'):
+    return [{}]
+  takes_arg = bool(inspect.signature(module.get_sweep).parameters)
+  return module.get_sweep(path.partition(':')[2]) if takes_arg else module.get_sweep()
 
 
 def with_model_preset(config, name: str, overrides: dict):

@@ -171,6 +171,8 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max
       'verify_cost_ratio': spec_step / plain_step,
       'speedup_analytic': stats['tokens_per_forward'] / (spec_step / plain_step),
       'tf_ar': tf['ar'], 'tf_car': tf['car'],
+      # Per prompt, in prompt order: what a paired comparison of two models resamples (report.py).
+      'per_prompt': metrics.per_prompt_counts(spec.accept_lengths),
   }
 
 

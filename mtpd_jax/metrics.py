@@ -51,6 +51,17 @@ def acceptance_stats(accept_lengths, draft_depth: int) -> dict:
           'accept_len': accept_len, 'tokens_per_forward': 1.0 + accept_len, 'steps': steps}
 
 
+def per_prompt_counts(accept_lengths_per_prompt) -> dict[str, list[int]]:
+  """Per prompt: speculative steps, steps that accepted the depth-1 draft, and accepted drafts.
+
+  AR_1 of a set of prompts is sum(accepted_1) / sum(steps), and its tokens per forward
+  1 + sum(accepted) / sum(steps), so these sums are enough to resample prompts.
+  """
+  a = [np.asarray(x).reshape(-1) for x in accept_lengths_per_prompt]
+  return {'steps': [int(x.size) for x in a], 'accepted_1': [int(np.sum(x >= 1)) for x in a],
+          'accepted': [int(np.sum(x)) for x in a]}
+
+
 def teacher_forced_agreement(logits_BxTxV, draft_logits_JxBxTxV) -> np.ndarray:
   """agree_JxBxT: argmax depth k at i == argmax main at i+k (False where i+k is past the end)."""
   main_BxT = np.asarray(jnp.argmax(logits_BxTxV, axis=-1))
