@@ -59,6 +59,7 @@ def get_config(arg: str = '', *, num_heads: int = 4):
     c.train.trunk_cache = True
     c.data.embedded_chars = 1_600_000  # about 1,700 training records of 256 tokens: one pass
     c.data.seq_len, c.data.batch_size = 256, 4
+    c.mesh.shape = (1, 1, 1)  # one device: a batch of 4 rows does not split over a host's devices
     c.train.steps, c.train.lr = 400, 1e-3
     c.train.log_every, c.train.eval_every, c.train.eval_batches = 10, 50, 4
     c.ckpt.every_steps = 100

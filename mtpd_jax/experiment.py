@@ -162,12 +162,28 @@ def format_summary(metrics: dict[str, float], num_heads: int) -> str:
 
 
 def sweep_points(sweep: list[dict]) -> list[tuple[str, dict]]:
-  """(label, overrides) per point; a point's optional 'label' names its row, else its overrides do."""
+  """(label, overrides) per point; a point's optional 'label' names its row, else its overrides do.
+
+  A point's optional 'reference' (another point's label) is not an override: see `references`.
+  """
   out = []
   for point in sweep:
-    point = dict(point)
+    point = {k: v for k, v in point.items() if k != 'reference'}
     label = point.pop('label', None) or ', '.join(f'{k}={v}' for k, v in point.items()) or 'default'
     out.append((label, point))
+  return out
+
+
+def references(sweep: list[dict]) -> dict[str, str]:
+  """Each row's reference for the report's paired differences: its 'reference', else the first row."""
+  labels = [label for label, _ in sweep_points(sweep)]
+  out = {}
+  for label, point in zip(labels, sweep):
+    ref = point.get('reference', labels[0])
+    if ref not in labels:
+      raise ValueError(f"sweep point {label!r} names reference {ref!r}, which is no point's label")
+    if ref != label:
+      out[label] = ref
   return out
 
 
@@ -179,7 +195,7 @@ def run_sweep(config: ml_collections.ConfigDict, sweep: list[dict], workdir: str
   sweep (`--sweep_index`), but never the same one.
   """
   checkpoint.check_options(config.ckpt.every_steps, config.ckpt.max_to_keep)
-  points = sweep_points(sweep)
+  points, refs = sweep_points(sweep), references(sweep)
   runs = []
   for i in (range(len(points)) if indices is None else indices):
     label, overrides = points[i]
@@ -201,7 +217,7 @@ def run_sweep(config: ml_collections.ConfigDict, sweep: list[dict], workdir: str
       continue
     print(f'{tag} workdir {run_dir}', flush=True)
     run_point(c, run_dir, root=root, progress=progress)
-  return write_sweep_report(config, points, workdir, results_dir)
+  return write_sweep_report(config, points, workdir, results_dir, refs)
 
 
 def _point_dir(workdir: str, i: int, s: int, num_points: int, num_seeds: int) -> str:
@@ -209,7 +225,8 @@ def _point_dir(workdir: str, i: int, s: int, num_points: int, num_seeds: int) ->
   return d if num_seeds == 1 else os.path.join(d, f'seed{s}')
 
 
-def write_sweep_report(config: ml_collections.ConfigDict, points, workdir: str, results_dir: str) -> str:
+def write_sweep_report(config: ml_collections.ConfigDict, points, workdir: str, results_dir: str,
+                       refs: dict[str, str] | None = None) -> str:
   """The sweep's report from each run's summary.json (rows of points not yet run stay empty)."""
   rows, run_dirs = [], []
   for i, (label, _) in enumerate(points):
@@ -223,4 +240,4 @@ def write_sweep_report(config: ml_collections.ConfigDict, points, workdir: str, 
     rows.append((label, runs))
     run_dirs.append(dirs)
   return report.write(rows, run_dirs, results_dir, title=os.path.basename(os.path.normpath(workdir)),
-                      num_seeds=config.seeds)
+                      num_seeds=config.seeds, references=refs or {})

@@ -78,6 +78,78 @@ def per_head_table(rows) -> str:
   return '\n'.join(lines)
 
 
+BOOTSTRAP_SAMPLES = 4000
+
+
+def _prompt_counts(runs, name: str):
+  """Per-prompt (steps, accepted_1, accepted) of prompt set `name`, one [P, 3] array per seed (or None)."""
+  out = []
+  for ev in _evals(runs):
+    pp = ev['prompt_sets'].get(name, {}).get('per_prompt')
+    out.append(None if pp is None else np.array([pp['steps'], pp['accepted_1'], pp['accepted']], float).T)
+  return out
+
+
+def paired_bootstrap(a_Px3, b_Px3, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict:
+  """AR1 and tokens per forward of `a` minus `b` on the same P prompts (rows: steps, accepted_1, accepted).
+
+  `diff` is the difference over all prompts; `lo`/`hi` the 2.5 and 97.5 percentiles of it over
+  prompts resampled with replacement, the same resample for both (a paired bootstrap);
+  `verdict` says whether the interval lies above zero, below it, or holds it ('inconclusive').
+  """
+  p = len(a_Px3)
+  idx_SxP = np.random.default_rng(seed).integers(0, p, size=(samples, p))
+  weight_SxP = np.zeros((samples, p))
+  np.add.at(weight_SxP, (np.repeat(np.arange(samples), p), idx_SxP.ravel()), 1.0)
+
+  def rates(w, x):  # (AR1, tokens per forward) of prompts weighted by w
+    sums = w @ x
+    return sums[..., 1] / sums[..., 0], 1.0 + sums[..., 2] / sums[..., 0]
+  full_a, full_b = rates(np.ones(p), a_Px3), rates(np.ones(p), b_Px3)
+  boot_a, boot_b = rates(weight_SxP, a_Px3), rates(weight_SxP, b_Px3)
+  out = {'prompts': p}
+  for i, key in enumerate(('ar1', 'tokens_per_forward')):
+    lo, hi = np.percentile(boot_a[i] - boot_b[i], [2.5, 97.5])
+    out[key] = {'diff': float(full_a[i] - full_b[i]), 'lo': float(lo), 'hi': float(hi),
+                'verdict': 'higher' if lo > 0 else 'lower' if hi < 0 else 'inconclusive'}
+  return out
+
+
+def paired_differences(rows, references: dict[str, str]) -> dict:
+  """{label: {'reference': ref, 'sets': {set: paired_bootstrap}}} for every row with a reference.
+
+  Seeds pair up by index (seed i of the row with seed i of its reference) and their prompts pool.
+  """
+  by_label = dict(rows)
+  out = {}
+  for label, runs in rows:
+    ref = references.get(label)
+    if ref is None or not _evals(runs) or not _evals(by_label.get(ref, [])):
+      continue
+    sets = {}
+    for name in sorted(set(_evals(runs)[0]['prompt_sets']) & set(_evals(by_label[ref])[0]['prompt_sets'])):
+      pairs = [(a, b) for a, b in zip(_prompt_counts(runs, name), _prompt_counts(by_label[ref], name))
+               if a is not None and b is not None and a.shape == b.shape]
+      if pairs:
+        sets[name] = paired_bootstrap(np.concatenate([a for a, _ in pairs]), np.concatenate([b for _, b in pairs]))
+    if sets:
+      out[label] = {'reference': ref, 'sets': sets}
+  return out
+
+
+def paired_table(paired: dict) -> str:
+  """One line per (row, prompt set): the differences from the reference row and their intervals."""
+  lines = ['| variant | minus | set | prompts | AR1 (points) [95% interval] | tokens/fwd [95% interval] | AR1 |',
+           '|---|---|---|---|---|---|---|']
+  for label, entry in paired.items():
+    for name, d in entry['sets'].items():
+      ar, tpf = d['ar1'], d['tokens_per_forward']
+      lines.append(f"| {label} | {entry['reference']} | {name} | {d['prompts']} | "
+                   f"{100 * ar['diff']:+.2f} [{100 * ar['lo']:+.2f}, {100 * ar['hi']:+.2f}] | "
+                   f"{tpf['diff']:+.3f} [{tpf['lo']:+.3f}, {tpf['hi']:+.3f}] | {ar['verdict']} |")
+  return '\n'.join(lines)
+
+
 def _plt():
   import matplotlib
   matplotlib.use('Agg')
@@ -126,9 +198,13 @@ def plot_loss_curves(rows, run_dirs, path: str) -> None:
   plt.close(fig)
 
 
-def write(rows, run_dirs, out_dir: str, *, title: str, num_seeds: int) -> str:
-  """results.md, results.json, acceptance.png and loss_curves.png in `out_dir`; returns the markdown."""
+def write(rows, run_dirs, out_dir: str, *, title: str, num_seeds: int, references: dict[str, str] | None = None) -> str:
+  """results.md, results.json, acceptance.png and loss_curves.png in `out_dir`; returns the markdown.
+
+  `references` maps a row's label to the row its paired differences are taken against.
+  """
   os.makedirs(out_dir, exist_ok=True)
+  paired = paired_differences(rows, references or {})
   md = '\n'.join([
       f'# {title}', '',
       f'{num_seeds} seed(s) per row (mean ± std). Main acc: the main head\'s teacher-forced next-token '
@@ -137,11 +213,16 @@ def write(rows, run_dirs, out_dir: str, *, title: str, num_seeds: int) -> str:
       'bonus token counts). speedup vs plain: wall-clock tokens/s of speculative over plain greedy '
       'decoding of the same model; speed vs the first row: speculative tokens/s relative to that row.', '',
       results_table(rows), '', '## CAR / AR (%) per draft depth, mean over prompt sets', '',
-      per_head_table(rows), ''])
+      per_head_table(rows), ''] + ([
+          '## Paired differences from a reference row', '',
+          f'The same prompts decoded by both rows; the interval is the 2.5-97.5 percentile of the difference '
+          f'over {BOOTSTRAP_SAMPLES} resamples of the prompts (seeds pair up by index); AR1 says whether it '
+          'lies above zero (higher), below (lower) or holds zero (inconclusive).', '',
+          paired_table(paired), ''] if paired else []))
   with open(os.path.join(out_dir, 'results.md'), 'w') as f:
     f.write(md)
   with open(os.path.join(out_dir, 'results.json'), 'w') as f:
-    json.dump({label: runs for label, runs in rows}, f, indent=2)
+    json.dump({'rows': {label: runs for label, runs in rows}, 'paired': paired}, f, indent=2)
   if depth_of(rows):
     plot_acceptance(rows, os.path.join(out_dir, 'acceptance.png'))
   plot_loss_curves(rows, run_dirs, os.path.join(out_dir, 'loss_curves.png'))

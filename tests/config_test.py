@@ -3,7 +3,6 @@
 import glob
 import importlib.util
 import inspect
-import itertools
 import os
 import re
 import subprocess
@@ -13,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from experiments import run as run_cli
 from mtpd_jax import experiment, model, recipe, sharding, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,11 +32,27 @@ def test_config_builds_and_every_sweep_point_applies(path):
   module = _load(path)
   if not hasattr(module, 'get_config'):
     pytest.skip('not a config module')
-  points = experiment.sweep_points(module.get_sweep() if hasattr(module, 'get_sweep') else [{}])
+  variants = [''] + ([a for a in ('quick', 'cpu') if _has_variant(module, a)]
+                      if 'arg' in inspect.signature(module.get_config).parameters else [])
+  for arg in variants:
+    _check_sweep(module, arg)
+
+
+def _has_variant(module, arg: str) -> bool:
+  try:
+    module.get_config(arg)
+  except ValueError:  # "unknown config argument"
+    return False
+  return True
+
+
+def _check_sweep(module, arg: str) -> None:
+  sweep = run_cli.load_sweep(module.__file__ + (':' + arg if arg else ''))
+  points = experiment.sweep_points(sweep)
   assert points, 'get_sweep() returned no points'
   assert len({label for label, _ in points}) == len(points), 'two points share a label'
-  args = [''] + (['quick'] if 'arg' in inspect.signature(module.get_config).parameters else [])
-  for (_, point), arg in itertools.product(points, args):
+  experiment.references(sweep)  # every named reference is a row
+  for _, point in points:
     config = module.get_config(arg) if arg else module.get_config()
     config.lock()
     config.update_from_flattened_dict(point)  # raises on a key that does not exist

@@ -53,7 +53,7 @@ def check_quick_sweep(name: str, tmp_path, env) -> dict:
   report = (results_dir / 'results.md').read_text()
   for image in ('acceptance.png', 'loss_curves.png'):
     assert (results_dir / image).stat().st_size > 0
-  results = json.loads((results_dir / 'results.json').read_text())
+  results = json.loads((results_dir / 'results.json').read_text())['rows']
   points = run_cli.load_sweep(os.path.join(ROOT, 'configs', name + '.py'))
   assert list(results) == [p['label'] for p in points]
   for point in points:
