@@ -127,6 +127,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval.enabled = True           # decode the prompt sets after training
   c.eval.prompt_sets = ('chat', 'code', 'math')  # embedded sets; the synthetic source has its own
   c.eval.jsonl = ()               # extra sets as 'name=path' or 'name=path:field' (JSONL, text or ids)
+  # Text prompts of eval.jsonl files as chat user turns: 'auto' (when the tokenizer carries a
+  # model's own chat template) | 'on' | 'off'. The built-in chat set always is one, code and math never.
+  c.eval.chat_template = 'auto'
   c.eval.max_prompts = 16         # prompts per set
   c.eval.max_prompt_tokens = 96   # longest prompt in tokens; longer text prompts are cut from the left
   c.eval.max_new_tokens = 64      # tokens generated per prompt

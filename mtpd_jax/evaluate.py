@@ -7,12 +7,10 @@ the measured cost of one speculative step (draft + verify) relative to one plain
 """
 
 import functools
-import gzip
 import json
 import math
 import os
 import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,33 +19,6 @@ import optax
 
 from mtpd_jax import decode, losses, metrics
 from mtpd_jax.model import MTPTransformer
-
-
-def load_prompts(path: str, field: str = 'prompt', tokenize: Callable[[str], list[int]] | None = None,
-                 chat_template: str | Callable[[str], str] | None = None, limit: int | None = None):
-  """Token-id prompts from JSONL (.gz ok): `field` holds text (templated, then tokenized) or token ids.
-
-  `chat_template` is a format string with a `{prompt}` slot, or a callable on the text.
-  """
-  prompts = []
-  with (gzip.open if path.endswith('.gz') else open)(path, 'rt', encoding='utf-8') as f:
-    for line_no, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      record = json.loads(line)
-      if field not in record:
-        raise KeyError(f'{path}:{line_no} has no field {field!r} (fields: {sorted(record)})')
-      value = record[field]
-      if isinstance(value, str):
-        if tokenize is None:
-          raise ValueError(f'{path}: field {field!r} holds text; pass tokenize= to turn it into ids')
-        if chat_template is not None:
-          value = chat_template(value) if callable(chat_template) else chat_template.format(prompt=value)
-        value = tokenize(value)
-      prompts.append(np.asarray(value, np.int32))
-      if limit is not None and len(prompts) >= limit:
-        break
-  return prompts
 
 
 def frequent_tokens(tokens, size: int) -> np.ndarray:

@@ -233,6 +233,7 @@ FIELD_RULES: dict[str, Rule] = {
     'eval.enabled': flag(),
     'eval.prompt_sets': Rule(f'names from {corpus.PROMPT_SETS}', _prompt_sets),
     'eval.jsonl': Rule("'name=path[:field]' strings", _jsonl),
+    'eval.chat_template': one_of('auto', 'on', 'off'),
     'eval.max_prompts': integer(1),
     'eval.max_prompt_tokens': integer(1),
     'eval.max_new_tokens': integer(1),
@@ -292,6 +293,9 @@ def _check_cross_fields(config: ml_collections.ConfigDict) -> None:
   resolve_beta(config)  # the schedule applied to the base β
   if d.source == 'tokens' and not d.train_path:
     raise ValueError("data.source='tokens' needs data.train_path, a 1-D .npy file of token ids")
+  if e.chat_template == 'on' and e.jsonl and d.source != 'embedded':
+    raise ValueError("eval.chat_template='on' needs a tokenizer with a chat format; only "
+                     "data.source='embedded' has one")
   if config.train.trunk_cache and config.train.trainable == 'all':
     raise ValueError("train.trunk_cache=True needs a frozen trunk (train.trainable='mtp_heads' or head "
                      "indices); with trainable='all' the trunk's states change every step")
@@ -479,6 +483,16 @@ def make_data_iterator(config: ml_collections.ConfigDict, split: str,
                             process_count=jax.process_count())
 
 
+def use_chat_template(config: ml_collections.ConfigDict, tokenizer) -> bool:
+  """Whether text prompts of eval.jsonl files become chat user turns (`eval.chat_template`).
+
+  'auto': when the tokenizer carries a model's own chat template (an instruct GGUF model, which is
+  prompted that way); the BPE trained on the embedded text is a base model's and gets none.
+  """
+  mode = config.eval.chat_template
+  return mode == 'on' or (mode == 'auto' and tokenizer is not None and tokenizer.chat_template is not None)
+
+
 def prompt_sets(config: ml_collections.ConfigDict) -> dict[str, list[np.ndarray]]:
   """Named prompt sets (token-id arrays) for the decoding evaluation.
 
@@ -501,7 +515,9 @@ def prompt_sets(config: ml_collections.ConfigDict) -> dict[str, list[np.ndarray]
   for entry in e.jsonl:
     name, _, spec = entry.partition('=')
     path, _, field = spec.partition(':')
-    sets[name] = evaluate.load_prompts(path, field or 'prompt', tokenize=tok and tok.encode, limit=e.max_prompts)
+    sets[name] = prompts.load_jsonl_prompts(path, tokenizer=tok, field=field or 'prompt', max_prompts=e.max_prompts,
+                                            max_prompt_tokens=e.max_prompt_tokens,
+                                            chat_template=use_chat_template(config, tok))
   if not sets:
     raise ValueError(f'no prompt sets for data.source={source!r}; name JSONL files in eval.jsonl')
   return sets

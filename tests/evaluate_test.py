@@ -1,4 +1,4 @@
-"""Evaluation: prompt loading, one prompt set end to end, held-out metrics, report files."""
+"""Evaluation: one prompt set end to end, held-out metrics, report files."""
 
 import gzip
 import json
@@ -19,23 +19,6 @@ CFG = ModelConfig(vocab_size=32, dim=32, num_layers=1, num_heads=2, num_kv_heads
 def _write_jsonl(path, records, compress=False):
   with (gzip.open if compress else open)(path, 'wt') as f:
     f.writelines(json.dumps(r) + '\n' for r in records)
-
-
-def test_load_prompts_reads_text_and_token_ids(tmp_path):
-  tokenize = lambda text: [ord(c) % 32 for c in text]
-  _write_jsonl(tmp_path / 'text.jsonl', [{'q': 'ab'}, {'q': 'cde'}, {'q': 'f'}])
-  got = evaluate.load_prompts(str(tmp_path / 'text.jsonl'), field='q', tokenize=tokenize,
-                              chat_template='<{prompt}>', limit=2)
-  assert [p.tolist() for p in got] == [tokenize('<ab>'), tokenize('<cde>')]
-  got = evaluate.load_prompts(str(tmp_path / 'text.jsonl'), field='q', tokenize=tokenize,
-                              chat_template=str.upper)
-  assert got[2].tolist() == tokenize('F') and got[2].dtype == np.int32
-  _write_jsonl(tmp_path / 'ids.jsonl.gz', [{'prompt': [3, 1, 4]}, {'prompt': [1, 5]}], compress=True)
-  assert [p.tolist() for p in evaluate.load_prompts(str(tmp_path / 'ids.jsonl.gz'))] == [[3, 1, 4], [1, 5]]
-  with pytest.raises(ValueError, match='tokenize'):
-    evaluate.load_prompts(str(tmp_path / 'text.jsonl'), field='q')
-  with pytest.raises(KeyError, match='prompt'):
-    evaluate.load_prompts(str(tmp_path / 'text.jsonl'))
 
 
 def test_evaluate_prompt_set_and_write_report(tmp_path):

@@ -2,12 +2,14 @@
 
 import gzip
 import json
+import types
 
 import numpy as np
 import pytest
 
+from conftest import small_config
 from mtpd_jax import corpus
-from mtpd_jax import prompts
+from mtpd_jax import prompts, recipe
 from mtpd_jax import tokenizer as tokenizer_lib
 
 
@@ -79,19 +81,42 @@ def test_jsonl_prompts(tok, tmp_path):
   assert [tok.decode(g) for g in prompts.load_jsonl_prompts(str(gz), tokenizer=tok)] == ['zipped']
 
 
-@pytest.mark.parametrize('lines, error, match', [
-    ([json.dumps({'prompt': 'ok'}), json.dumps({'text': 'no prompt'})], KeyError, r"p.jsonl:2: no field 'prompt'.*\['text'\]"),
-    ([json.dumps({'prompt': 'ok'}), '{not json'], ValueError, 'p.jsonl:2: not valid JSON'),
-    ([json.dumps({'prompt': 3})], ValueError, "p.jsonl:1: field 'prompt' is not a non-empty string"),
-    ([json.dumps(['prompt'])], KeyError, "p.jsonl:1: no field 'prompt'"),
-    (['', '  '], ValueError, 'holds no records'),
+def test_jsonl_token_ids_are_cut_from_the_left_and_text_may_become_a_chat_turn(tok, tmp_path):
+  path = _write(tmp_path / 'p.jsonl', [json.dumps({'prompt': [3, 1, 4, 1, 5]}), json.dumps({'prompt': 'hi there'})])
+  ids, text = prompts.load_jsonl_prompts(path, tokenizer=tok, max_prompt_tokens=3)
+  assert ids.tolist() == [4, 1, 5] and ids.dtype == np.int32
+  assert tok.decode(text) == ' there'  # text is cut from the left as well
+  _, chat = prompts.load_jsonl_prompts(path, tokenizer=tok, chat_template=True)
+  assert chat.tolist() == tok.chat_prompt(tok.encode('hi there'))
+  only_ids = _write(tmp_path / 'ids.jsonl', [json.dumps({'prompt': [2, 7]})])
+  assert prompts.load_jsonl_prompts(only_ids)[0].tolist() == [2, 7]  # ids need no tokenizer
+  with pytest.raises(ValueError, match="p.jsonl:2: field 'prompt' holds text, but only the embedded"):
+    prompts.load_jsonl_prompts(path)
+
+
+@pytest.mark.parametrize('lines, match', [
+    ([json.dumps({'prompt': 'ok'}), json.dumps({'text': 'no prompt'})], r"p.jsonl:2: no field 'prompt'.*\['text'\]"),
+    ([json.dumps({'prompt': 'ok'}), '{not json'], 'p.jsonl:2: not valid JSON'),
+    ([json.dumps({'prompt': 3})], "p.jsonl:1: field 'prompt' must be text or a non-empty list of token ids"),
+    ([json.dumps(['prompt'])], "p.jsonl:1: no field 'prompt'"),
+    (['', '  '], 'holds no records'),
 ])
-def test_jsonl_errors(tok, tmp_path, lines, error, match):
+def test_jsonl_errors(tok, tmp_path, lines, match):
   path = _write(tmp_path / 'p.jsonl', lines)
-  with pytest.raises(error, match=match):
+  with pytest.raises(ValueError, match=match):
     prompts.load_jsonl_prompts(path, tokenizer=tok)
 
 
 def test_jsonl_missing_file(tok, tmp_path):
   with pytest.raises(FileNotFoundError, match='does not exist'):
     prompts.load_jsonl_prompts(str(tmp_path / 'nope.jsonl'), tokenizer=tok)
+
+
+@pytest.mark.parametrize('mode, template, want', [
+    ('auto', '{% for m in messages %}...{% endfor %}', True), ('auto', None, False),
+    ('on', None, True), ('off', '{% for m in messages %}...{% endfor %}', False)])
+def test_jsonl_text_gets_the_chat_template_of_an_instruct_tokenizer(mode, template, want):
+  config = small_config()
+  config.eval.chat_template = mode
+  assert recipe.use_chat_template(config, types.SimpleNamespace(chat_template=template)) is want
+  assert recipe.use_chat_template(config, None) is (mode == 'on')

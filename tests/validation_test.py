@@ -178,6 +178,8 @@ CASES = [
     ('late', {**_tokens('good.npy'), **_jsonl('ids_ok', 'ids')}, "ids_ok.jsonl:1: no field 'ids'"),
     ('late', {**_tokens('good.npy'), 'eval.jsonl': ('mine={d}/missing.jsonl',)}, 'missing.jsonl does not exist'),
     ('late', {'data.source': 'tokens', 'data.train_path': ''}, "data.source='tokens' needs data.train_path"),
+    ('late', {**_tokens('good.npy'), **_jsonl('ids_ok'), 'eval.chat_template': 'on'},
+     "eval.chat_template='on' needs a tokenizer with a chat format"),
     ('late', {'train.trunk_cache': True}, 'train.trunk_cache=True needs a frozen trunk'),
     ('late', {'train.trunk_cache': True, 'train.trainable': 'mtp_heads', 'model.moe.num_experts': 4},
      'not supported for MoE models yet'),
