@@ -129,6 +129,18 @@ class Checkpointer:
       items['data'] = grain.checkpoint.CheckpointRestore(iterator)
     return self.manager.restore(step, args=ocp.args.Composite(**items))['state']
 
+  def restore_named(self, step: int, abstract_state):
+    """`restore` for readers (evaluation): a damaged checkpoint raises a ValueError naming it and is
+    left where it is; resuming the training run moves it aside and continues from an earlier one."""
+    _drop_stray_read_errors()
+    try:
+      with _quiet_logs():
+        return self.restore(step, abstract_state)
+    except Exception as e:  # orbax and tensorstore raise many types for damaged files
+      raise ValueError(f'checkpoint {step} in {self.directory} is unreadable ({type(e).__name__}: '
+                       f'{str(e).splitlines()[0][:160] if str(e) else "damaged files"}); rerunning its training '
+                       'command moves it aside and resumes from the newest readable one') from None
+
   def restore_latest_good(self, abstract_state, iterator=None):
     """(step, state) of the newest readable checkpoint, or (None, None) if there is none at all.
 

@@ -347,6 +347,8 @@ def restore_model(workdir: str, mesh=None) -> tuple[MTPTransformer, ml_collectio
   if step is None:
     raise FileNotFoundError(f'{workdir} holds no checkpoint')
   abstract, _ = abstract_train_state(config, mesh)
-  state = ckpt.restore(step, abstract)
-  ckpt.close()
+  try:
+    state = ckpt.restore_named(step, abstract)
+  finally:
+    ckpt.close()
   return nnx.merge(state.graphdef, state.params), config

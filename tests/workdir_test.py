@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import small_config
-from mtpd_jax import experiment, train, workdir_lock
+from mtpd_jax import cli, experiment, train, workdir_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, 'JAX_NUM_CPU_DEVICES': '1', 'PYTHONPATH': ROOT}
@@ -298,3 +298,17 @@ def test_a_damaged_checkpoint_is_one_warning_line_not_a_traceback_per_array(tmp_
   assert '\n' not in warnings[0]
   out, err = capfd.readouterr()
   assert 'Traceback' not in out + err and 'Event loop is closed' not in out + err, err[-3000:]
+
+
+def test_evaluating_a_damaged_checkpoint_is_one_line_exit_2_and_leaves_it_in_place(tmp_path, capsys):
+  workdir = tmp_path / 'run'
+  train.train_and_evaluate(small_config(steps=4), str(workdir), progress=False)
+  data = workdir / 'checkpoints' / '4' / 'state' / 'd'
+  for name in os.listdir(data):
+    os.remove(data / name)
+  with pytest.raises(ValueError) as info:
+    train.restore_model(str(workdir))
+  assert cli.report(info.value, verbose=False) == 2
+  (line,) = capsys.readouterr().err.splitlines()
+  assert line.startswith('error: checkpoint 4 in ') and 'is unreadable' in line and 'resumes from' in line
+  assert os.path.isdir(workdir / 'checkpoints' / '4') and not os.path.exists(f'{workdir}/checkpoints.unreadable')
