@@ -155,10 +155,10 @@ class MetricsLog:
         f.write(json.dumps(record) + '\n')
 
 
-def progress_bar(enabled: bool, start: int, total: int):
+def progress_bar(enabled: bool, start: int, total: int, desc: str = 'train'):
   import tqdm  # the terminal bar only; metrics.jsonl is the record
   return tqdm.tqdm(initial=start, total=total, disable=not enabled or jax.process_index() != 0,
-                   dynamic_ncols=True, desc='train')
+                   dynamic_ncols=True, desc=desc)
 
 
 def _get(tree: dict, dotted: str):

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtpd_jax import (checkpoint, fused_loss, gguf_llama, losses, moe, recipe, runtime, sharding,
-                      workdir_lock)
+                      trunk_cache, workdir_lock)
 from mtpd_jax.model import MTPTransformer
 
 
@@ -256,7 +256,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
     ckpt.check_free_space(abstract)
     state, start = _resume_or_init(config, workdir, ckpt, abstract, shardings, mesh, train_it)
     if cache:  # the frozen trunk's states, built once for every run on this trunk and data
-      cache.build(state.graphdef, state.params, {s: recipe.make_source(config, s) for s in ('train', 'eval')})
+      cache.build(state.graphdef, state.params, {s: recipe.make_source(config, s) for s in trunk_cache.SPLITS},
+                  progress=progress)
     log = runtime.MetricsLog(os.path.join(workdir, 'metrics.jsonl'), start)  # may refuse: before config.json
     if jax.process_index() == 0:
       runtime.write_config_atomically(os.path.join(workdir, 'config.json'), config.to_json(indent=2))

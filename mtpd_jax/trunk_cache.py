@@ -22,6 +22,8 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from mtpd_jax import runtime
+
 FORMAT = 'trunk-cache/v1'
 DTYPES = ('float32', 'bfloat16')
 SPLITS = ('train', 'eval')
@@ -136,7 +138,7 @@ class TrunkCache:
     except ValueError as e:
       raise TrunkCacheError(f'{path} is not valid JSON ({e}); delete {self.directory} to rebuild the cache') from None
 
-  def build(self, graphdef, params, sources: dict) -> str:
+  def build(self, graphdef, params, sources: dict, *, progress: bool = True) -> str:
     """Resolve the directory and write every split's states that are not there yet; returns it.
 
     `sources`: the un-wrapped record source of each split. Process 0 writes; the others wait.
@@ -149,8 +151,7 @@ class TrunkCache:
       self._check_or_write_meta(inputs, shapes)
       forward = jax.jit(lambda p, tokens, seg: nnx.merge(graphdef, p).trunk_hidden(tokens, seg))
       for split, source in sources.items():
-        self._build_split(split, source, forward, params)
-    from mtpd_jax import runtime  # pylint: disable=import-outside-toplevel
+        self._build_split(split, source, forward, params, progress)
     runtime.sync_processes('trunk_cache')
     return self.directory
 
@@ -179,7 +180,7 @@ class TrunkCache:
     except FileNotFoundError:
       return 0
 
-  def _build_split(self, split, source, forward, params) -> None:
+  def _build_split(self, split, source, forward, params, progress) -> None:
     n, t, d = len(source), self.config.data.seq_len, self.config.model.dim
     done = self._rows_done(split)
     if done >= n:
@@ -198,8 +199,9 @@ class TrunkCache:
       del del_me
     offset = np.load(path, mmap_mode='r').offset
     rows = self.config.data.batch_size
+    bar = runtime.progress_bar(progress, done, n, desc=f'trunk cache ({split} records)')
     try:
-      with open(path, 'r+b') as f:
+      with bar, open(path, 'r+b') as f:
         for start in range(done, n, rows):
           records = [source[i] for i in range(start, min(start + rows, n))]
           tokens = np.stack([r['inputs'] for r in records])
@@ -212,6 +214,7 @@ class TrunkCache:
           f.flush()
           os.fsync(f.fileno())
           self._write_rows(split, start + len(records))
+          bar.update(len(records))
     except OSError as e:
       raise TrunkCacheError(f'writing the trunk cache {path} failed ({e.strerror}); the rows written so far '
                             'are kept and a rerun continues from them') from None
