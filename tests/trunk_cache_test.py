@@ -160,3 +160,12 @@ def test_a_full_disk_is_refused_before_writing(tmp_path, monkeypatch):
     _build(config)
   directory = os.path.join(tmp_path, 'cache', os.listdir(tmp_path / 'cache')[0])
   assert os.listdir(directory) == ['meta.json']
+
+
+def test_every_looped_stage_reads_the_one_cache_of_the_frozen_trunk(tmp_path):
+  from mtpd_jax import looped
+  config = _config(tmp_path)
+  config.looped.schedule, config.looped.stage_steps = (1, 2), 2
+  state, _ = looped.run_looped(config, str(tmp_path / 'looped'), progress=False)
+  assert len(state.params['mtp_heads']) == 2
+  assert len([d for d in os.listdir(tmp_path / 'cache') if d.startswith('trunk-')]) == 1
