@@ -7,7 +7,7 @@
 a few hundred steps on the learnable synthetic stream of mtpd_jax.data (arithmetic progressions
 mod V-1, EOS between documents) with CE losses on the main head and every MTP head, so that the
 heads accept; a random model would accept ~0. Prompts are the openings of held-out records.
-Depth 4 uses each head once, depth 8 loops them (training-free, SPEC §4.2).
+Depth 4 uses each head once, depth 8 loops them (training-free, MTP-D* of Table 8).
 
 --model=smollm2 (or a llama .gguf path): the checkpoint with K=--num_heads heads, restored from a
 training workdir of this project (--workdir: its trunk and trained heads), or else trained here

@@ -89,7 +89,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.eps = 1e-8              # AdamW ε
   c.train.weight_decay = 0.1      # applied to matrices, not to norm scales
   c.train.clip_norm = 1.0         # global gradient-norm clip
-  c.train.warmup_frac = 0.02      # linear warm-up, then cosine decay to min_lr_frac · lr ([I])
+  c.train.warmup_frac = 0.02      # linear warm-up, then cosine decay to min_lr_frac · lr (docs/design.md, "Choices")
   c.train.min_lr_frac = 0.1       # the cosine decay ends at this fraction of train.lr
   # 'all' | 'mtp_heads' | a list of 1-based head indices, e.g. [2, 3]
   c.train.trainable = config_dict.FieldReference('all', field_type=object)

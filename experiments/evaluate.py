@@ -3,7 +3,7 @@
   python -m experiments.evaluate --workdir=DIR [--draft_depth=8]
 
 The prompt sets and decoding lengths come from the workdir's config (`eval.*`, see
-mtpd_jax.recipe.prompt_sets); a draft depth above K reuses head ((j-1) mod K)+1 (SPEC §4.2).
+mtpd_jax.recipe.prompt_sets); a draft depth above K reuses head ((j-1) mod K)+1 (MTP-D* of Table 8).
 Writes eval.json, eval.md and eval.png into the workdir and prints name=value lines.
 """
 

@@ -8,14 +8,14 @@ one jit per (batch shape, `DecodeOptions`); `generate` loops steps in a `lax.whi
 
 Plain step: trunk(token L) -> main logits at L -> the next token is committed at L+1.
 
-Speculative step (SPEC §5.1), verify first then draft, so prefill ends with a draft pass too:
+Speculative step (docs/design.md, "Metrics"), verify first then draft, so prefill ends with a draft pass too:
   1. Verify: one trunk call over the pending token and drafts d_1..d_J at positions L..L+J gives
      main logits at L..L+J. `sampling.verify` accepts the longest prefix d_1..d_a (greedy: equal
      to the main argmax; sampling: the lossless min(1, p/q) rule) and picks the next token (main
      argmax / residual sample / bonus). d_1..d_a and that token are committed (a+1 tokens per
      trunk call). Rejected positions roll back for free: the length does not advance over them,
      and the next verify rewrites their cache slots before any query can see them.
-  2. Draft: depth j = 1..J runs head ((j-1) mod K)+1 (training-free looping, SPEC §4.2 — its own
+  2. Draft: depth j = 1..J runs head ((j-1) mod K)+1 (training-free looping, MTP-D* of Table 8 — its own
      weights, but its own cache, since depth j's inputs differ from depth j-K's) at the last
      trunk position L-1, on h^{j-1} and the token L-1+j (the pending token for j = 1, then
      d_{j-1}); the depth-j logits there give d_j, written at position L+j.

@@ -1,4 +1,4 @@
-"""Trained looped extension (SPEC §4.1): grow the number of MTP heads in stages.
+"""Trained looped extension (the paper's Sec. 4, Fig. 2, Table 8): grow the number of MTP heads in stages.
 
 Stage 0 trains main model and the first heads as usual. Each later stage freezes the main model
 and every existing head, initialises the new heads as copies of the trained ones (head j from

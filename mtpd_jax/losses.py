@@ -1,11 +1,11 @@
-"""MTP-D losses (SPEC §2.7): main CE + Σ_k α_k·CE_k + Σ_k β_k·KL_k, as pure functions of arrays.
+"""MTP-D losses (the paper's total loss; docs/design.md, "Data flow"): main CE + Σ_k α_k·CE_k + Σ_k β_k·KL_k, as pure functions of arrays.
 
 Dimension legend: B batch, T positions, V vocab, K MTP heads, N Top-N selected logits.
 
 Alignment: head k at position i predicts token i+k+1, the same token as the main head at i+k,
-so the teacher of head k at i is the main logits at i+k (SPEC §2.2). All softmaxes run in f32.
+so the teacher of head k at i is the main logits at i+k (Fig. 1). All softmaxes run in f32.
 
-Top-N selection (SPEC §2.3) comes in two forms. `top_k` gathers the indices of `lax.top_k`, a
+Top-N selection (Figs. 6 and 10) comes in two forms. `top_k` gathers the indices of `lax.top_k`, a
 sort on CPU that cost more than the whole KL. `threshold` finds, per row, a value c with
 count(logits > c) = N by a search of count reductions over V, and computes the KL over all of V
 with the unselected logits at -1e30: no sort and no gather, and every reduction over V shards
@@ -76,7 +76,7 @@ def target_mask(segment_ids_BxT, target_segment_ids_BxT, k: int):
 
 
 def top_n_indices(teacher_BxTxV, student_BxTxV, top_n: int, mode: str):
-  """Indices S of the Top-N selection and a mask of the distinct ones (SPEC §2.3, §3 "10000x2").
+  """Indices S of the Top-N selection and a mask of the distinct ones (Table 2's "10000x2"; docs/design.md, "Choices").
 
   `teacher`: the teacher's top-N. `union`: the teacher's top-N joined with the student's top-N
   (2N slots; a student index already chosen by the teacher is masked out, not counted twice).
@@ -212,7 +212,7 @@ def kl_divergence(teacher_BxTxV, student_BxTxV, idx_BxTxN=None, valid_BxTxN=None
   forward = KL(teacher ‖ student) (mass-covering, the paper's default); reverse = KL(student ‖ teacher).
   The selection is either gathered indices (`idx`, `valid` from `top_n_indices`) or a threshold
   (teacher > `threshold_BxT`, joined with student > `student_threshold_BxT` if given; see
-  `top_n_threshold`). renormalize: both softmaxes run over the selected logits only (SPEC §2.3,
+  `top_n_threshold`). renormalize: both softmaxes run over the selected logits only (Fig. 6;
   default); otherwise full-vocabulary log-probabilities, with the KL sum restricted to S.
   """
   t_BxTxV = teacher_BxTxV.astype(jnp.float32) / tau
@@ -238,7 +238,7 @@ def kl_divergence(teacher_BxTxV, student_BxTxV, idx_BxTxN=None, valid_BxTxN=None
 
 
 def ensemble_teacher(logits_BxTxV, mtp_logits_KxBxTxV, k: int):
-  """Log of the mean distribution of every earlier predictor of head k's target (SPEC §3).
+  """Log of the mean distribution of every earlier predictor of head k's target (Table 6's ensemble mean).
 
   For head k at position i the target is token i+k+1; it is also predicted by the main head at
   i+k and by head j < k at position i+k-j. Returns f32 log-probabilities, usable as logits.
@@ -299,7 +299,7 @@ def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, t
     beta: β_k, one value per head. beta_scale multiplies all of them (KL warm-up).
     distill: False gives the plain "MTP" baseline (CE only, no KL computed).
     top_n: N, or None for the whole vocabulary. top_n_mode, renormalize, kl, tau, detach,
-      teacher: the SPEC §2–3 knobs, see `top_n_indices`, `kl_divergence`, `ensemble_teacher`.
+      teacher: the paper's ablation knobs (Tables 2 and 6), see `top_n_indices`, `kl_divergence`, `ensemble_teacher`.
     selection: how Top-N is found: 'threshold' (`top_n_threshold`, a mask; ties at the N-th
       value are all selected) or 'top_k' (`lax.top_k` indices, gathered).
   Returns:

@@ -1,4 +1,4 @@
-"""Speculative-decoding metrics (SPEC §5.1): AR, CAR, accepted length, and teacher-forced agreement.
+"""Speculative-decoding metrics (the paper's Tables 1 and 7; definitions in docs/design.md, "Metrics"): AR, CAR, accepted length, and teacher-forced agreement.
 
 Dimension letters as in model.py, plus J (draft depth) and N (steps). A speculative step drafts
 J tokens (depth k drafts the k-th token after the main head's) and verification accepts the

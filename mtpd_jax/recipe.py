@@ -388,7 +388,7 @@ def resolve_beta(config: ml_collections.ConfigDict) -> tuple[float, ...]:
     if len(d.beta) != num_heads:
       raise ValueError(f'distill.beta has {len(d.beta)} values for mtp.num_heads={num_heads}')
     return tuple(float(b) for b in d.beta)
-  base = (1.0 if num_heads == 1 else 0.5) if d.beta is None else float(d.beta)  # SPEC §2.5
+  base = (1.0 if num_heads == 1 else 0.5) if d.beta is None else float(d.beta)  # Table 2's caption (K=1); design.md, "Choices"
   weights = {'constant': lambda k: 1.0,
              'exp_decay': lambda k: d.step_gamma ** (k - 1),
              'linear_decay': lambda k: (num_heads - k + 1) / num_heads,

@@ -50,7 +50,7 @@ def transplant(params: nnx.State, source: nnx.State, *, loop_heads: bool) -> nnx
   """`params` with every parameter that `source` has at the same path taken from it.
 
   MTP heads that `source` lacks keep their fresh initialisation, or with `loop_heads` become
-  copies of source head ((j-1) mod m)+1: the looped extension's block copy (SPEC §4.1).
+  copies of source head ((j-1) mod m)+1: the looped extension's block copy (Fig. 2).
   """
   src = dict(jax.tree_util.tree_leaves_with_path(source))
   num_src_heads = len(source['mtp_heads']) if 'mtp_heads' in source else 0

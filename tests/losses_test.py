@@ -1,4 +1,4 @@
-"""Hand-computed cases of the MTP-D loss (SPEC §2.7)."""
+"""Hand-computed cases of the MTP-D loss (the paper's total loss; docs/design.md)."""
 
 import jax
 import jax.numpy as jnp
