@@ -30,11 +30,6 @@ def _order_key(x):
   return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(1 << 31))
 
 
-def _from_order_key(k):
-  b = jnp.where(k >> 31 == 1, k & jnp.uint32(0x7FFFFFFF), ~k)
-  return lax.bitcast_convert_type(b, jnp.float32)
-
-
 def count_above(logits_BxTxV, c_BxT):
   """Number of logits > c in each row (an f32, exact below 2^24)."""
   return jnp.sum(above(logits_BxTxV - c_BxT[..., None]), axis=-1)

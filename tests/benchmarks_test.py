@@ -38,8 +38,11 @@ def test_train_efficiency_quick(tmp_path):
       ['--config=tiny', '--batch_size=8', '--seq_len=64', '--reps=1', '--matmul_n=256',
        '--fused_chunk_rows=64', f'--results_dir={tmp_path}']))
   r = _read(tmp_path / 'train_efficiency.json')
-  assert r['model_flops'] == train_efficiency.model_flops(
-      train_efficiency.common.get_config('tiny', num_heads=4, batch_size=8, seq_len=64))
+  # By hand for tiny (V=256, D=64, 2 layers, H=4, G=2, E=16, F=192) with K=4, 8 x 64 tokens: a block's
+  # matrices hold 3*4096 + 3*64*192 = 49,152 weights; per token 2 blocks + 4 heads (a block and a
+  # 2D x D projection each) + 5 unembeddings = 409,600; 6 FLOPs per weight and token over 512 tokens,
+  # plus attention 12*B*T^2*H*E per block (6 blocks) = 150,994,944.
+  assert r['model_flops'] == 6 * 409_600 * 512 + 150_994_944
   assert r['flops_fraction'] == r['fused/flops_fraction']
   for key in ('logits/flops_fraction', 'fused/flops_fraction'):
     assert 0 < r[key] and math.isfinite(r[key])
