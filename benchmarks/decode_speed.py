@@ -1,7 +1,7 @@
 """Tokens/s of self-speculative vs plain KV-cache greedy decoding: a tiny model, or a real GGUF llama.
 
   python -m benchmarks.decode_speed [--train_steps=300] [--depths=4,8] [--batch_sizes=1]
-  python -m benchmarks.decode_speed --model=smollm2 [--workdir=DIR] [--batch_sizes=1,8] [--draft_vocab=0]
+  python -m benchmarks.decode_speed --model=smollm2 [--workdir=DIR] [--batch_sizes=1,8] [--draft_vocab=0,4096]
 
 --model=tiny (the default): a tiny model (8 layers, width 64) with K=4 heads is first trained for
 a few hundred steps on the learnable synthetic stream of mtpd_jax.data (arithmetic progressions
@@ -21,6 +21,8 @@ token-for-token comparison of the greedy outputs.
 
 --draft_vocab=N drafts among the N most frequent tokens of the training text (the synthetic rows,
 or the embedded corpus); verification still uses the whole vocabulary, so decoding stays lossless.
+A list (`0,4096`) decodes every setting with each, side by side (keys `depthJ_dvN`), and
+`draft_vocab_effect` gives each size's AR1 and tokens/s against the whole vocabulary's (0).
 
 Prints name=value lines and writes benchmarks/results/decode_speed.json (a GGUF model:
 decode_speed_<name>.json), with the date and command.
@@ -29,6 +31,7 @@ decode_speed_<name>.json), with the date and command.
 import argparse
 import dataclasses
 import functools
+import itertools
 import os
 import time
 
@@ -219,8 +222,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument('--prompt_len', type=int, default=12, help='tiny: tokens per prompt')
   p.add_argument('--max_prompt_tokens', type=int, default=256, help='GGUF: longest prompt, chat template included')
   p.add_argument('--max_new_tokens', type=int, help='new tokens per prompt (tiny: 128, GGUF: 64)')
-  p.add_argument('--draft_vocab', type=int, default=0,
-                 help='draft among the N most frequent training tokens (0 = the whole vocabulary)')
+  p.add_argument('--draft_vocab', default='0',
+                 help='draft among the N most frequent training tokens (0 = the whole vocabulary); a list '
+                      'compares sizes side by side')
   p.add_argument('--repeats', type=int, default=3, help='timed passes (the best counts)')
   p.add_argument('--timing_steps', type=int, help='steps of the per-step cost loops (tiny: 256, GGUF: 32)')
   p.add_argument('--timing_repeats', type=int, help='repeats of the per-step cost loops (tiny: 5, GGUF: 2)')
@@ -235,12 +239,33 @@ def parse_args(argv=None) -> argparse.Namespace:
       setattr(args, name, values[gguf])
   if args.workdir and not gguf:
     p.error('--workdir needs a GGUF --model (smollm2 or a .gguf path)')
+  try:
+    args.draft_vocab = [int(n) for n in str(args.draft_vocab).split(',')]
+  except ValueError:
+    p.error(f'--draft_vocab={args.draft_vocab} must be a comma-separated list of integers')
+  if any(n < 0 for n in args.draft_vocab) or len(set(args.draft_vocab)) != len(args.draft_vocab):
+    p.error(f'--draft_vocab={args.draft_vocab} must be distinct sizes >= 0')
   if args.out and not args.out.endswith('.json'):
     p.error(f'--out={args.out} must name a .json file')
   if not args.out:
     name = 'smollm2' if args.model == 'smollm2' else os.path.splitext(os.path.basename(args.model))[0]
     args.out = os.path.join(common.RESULTS_DIR, 'decode_speed.json' if not gguf else f'decode_speed_{name}.json')
   return args
+
+
+def draft_vocab_effect(sets: dict, depths, vocabs) -> dict:
+  """Per set, batch and depth: each draft-vocabulary size's AR1 minus the whole vocabulary's, and its
+  speculative tokens/s over the whole vocabulary's (both decoded in this process)."""
+  out = {}
+  for name, by_batch in sets.items():
+    for b, runs in by_batch.items():
+      for depth in depths:
+        full = runs[f'depth{depth}_dv0']
+        out[f'{name}/{b}/depth{depth}'] = {
+            n: {'ar1_minus_full': runs[f'depth{depth}_dv{n}']['ar'][0] - full['ar'][0],
+                'spec_tokens_per_s_over_full': runs[f'depth{depth}_dv{n}']['spec_tokens_per_s'] / full['spec_tokens_per_s']}
+            for n in vocabs if n}
+  return out
 
 
 def _print(prefix: str, r: dict) -> None:
@@ -255,14 +280,15 @@ def _print(prefix: str, r: dict) -> None:
 def main(args: argparse.Namespace) -> dict:
   gguf = args.model != 'tiny'
   model, sets, stop, pad, train_tokens, info = (_gguf_setup if gguf else _tiny_setup)(args)
-  vocab = evaluate.frequent_tokens(np.ravel(train_tokens()), args.draft_vocab) if args.draft_vocab else None
+  vocabs = {n: evaluate.frequent_tokens(np.ravel(train_tokens()), n) if n else None for n in args.draft_vocab}
   depths = [int(d) for d in args.depths.split(',')] if args.depths else [model.cfg.num_mtp_heads]
   batch_sizes = [int(b) for b in args.batch_sizes.split(',')]
   results = {'model': args.model, 'num_heads': model.cfg.num_mtp_heads, **info, 'args': vars(args),
              'model_config': dataclasses.asdict(model.cfg), 'sets': {}}
   for name, prompts in sets.items():
     for b in batch_sizes:
-      for depth in depths:
+      for depth, (n, vocab) in itertools.product(depths, vocabs.items()):
+        key = f'depth{depth}' + (f'_dv{n}' if len(vocabs) > 1 else '')
         r = evaluate.evaluate_prompt_set(model, prompts, draft_depth=depth, max_new_tokens=args.max_new_tokens,
                                          batch_size=b, stop_tokens=stop, pad_multiple=pad, repeats=args.repeats,
                                          timing_steps=args.timing_steps, timing_repeats=args.timing_repeats,
@@ -272,8 +298,14 @@ def main(args: argparse.Namespace) -> dict:
           plain_s, spec_s = (r['new_tokens'] / r[f'{m}_tokens_per_s'] for m in ('plain', 'spec'))
           r['plain_wall_ms_per_step'] = 1e3 * plain_s / max(r['new_tokens'] - len(prompts), 1)  # prefill emits one
           r['spec_wall_ms_per_step'] = 1e3 * spec_s / max(r['steps'], 1)
-        results['sets'].setdefault(name, {}).setdefault(f'b{b}', {})[f'depth{depth}'] = r
-        _print(f'{name}/b{b}/depth{depth}', r)
+        results['sets'].setdefault(name, {}).setdefault(f'b{b}', {})[key] = r
+        _print(f'{name}/b{b}/{key}', r)
+  if len(vocabs) > 1 and 0 in vocabs:
+    results['draft_vocab_effect'] = draft_vocab_effect(results['sets'], depths, vocabs)
+    for where, by_size in results['draft_vocab_effect'].items():
+      for n, e in by_size.items():
+        print(f"{where}/dv{n}/ar1_minus_full={e['ar1_minus_full']:+.4f} "
+              f"{where}/dv{n}/spec_tokens_per_s_over_full={e['spec_tokens_per_s_over_full']:.3f}")
   if gguf and args.hf:
     from benchmarks import hf_generate  # pylint: disable=import-outside-toplevel
     if 1 not in batch_sizes:
@@ -282,7 +314,8 @@ def main(args: argparse.Namespace) -> dict:
       results['hf'] = 'skipped: transformers or torch is not installed (requirements-hf.txt)'
     else:
       from mtpd_jax import gguf_llama  # pylint: disable=import-outside-toplevel
-      b1 = {name: results['sets'][name]['b1'][f'depth{depths[0]}'] for name in sets}
+      first = f'depth{depths[0]}' + (f'_dv{args.draft_vocab[0]}' if len(vocabs) > 1 else '')
+      b1 = {name: results['sets'][name]['b1'][first] for name in sets}
       results.update(hf_side_by_side(model, gguf_llama.resolve(args.model), sets, b1, stop=stop,
                                      pad_multiple=pad, args=args))
     if isinstance(results.get('hf'), str):

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mtpd_jax import corpus, data, evaluate, losses, sharding, trunk_cache
+from mtpd_jax import corpus, data, losses, sharding, trunk_cache
 from mtpd_jax.model import ModelConfig
 from mtpd_jax.moe import MoEConfig
 

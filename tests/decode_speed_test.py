@@ -80,23 +80,27 @@ def test_gguf_quick_with_hf_side_by_side(fake_gguf, tmp_path):
   decode_speed.main(decode_speed.parse_args(
       QUICK + [f'--model={fake_gguf}', f'--cache_dir={tmp_path / "cache"}', '--train_chars=20000',
                '--train_steps=3', '--train_batch=2', '--train_seq=16', '--max_prompt_tokens=48',
-               '--num_heads=2', '--batch_sizes=1,2', '--prompt_sets=chat,code', '--draft_vocab=64',
+               '--num_heads=2', '--batch_sizes=1,2', '--prompt_sets=chat,code', '--draft_vocab=64,0',
                '--hf' if hf else '--no-hf', f'--out={out}']))
   saved = json.loads(out.read_text())
   assert saved['num_heads'] == 2 and saved['file'] == 'tiny.gguf' and saved['train_tokens'] == 3 * 2 * 17
   assert len(saved['train_xent_first']) == len(saved['train_xent_last']) == 2
   for name in ('chat', 'code'):
     for b in ('b1', 'b2'):
-      r = saved['sets'][name][b]['depth2']  # depth K by default; drafts from the 64 most frequent tokens
-      _check_run(r, 2)
-      assert r['prompts'] == 2 and 0 < r['new_tokens'] <= 2 * 8
+      for dv in (64, 0):  # depth K by default; drafts from the 64 most frequent tokens, then from all
+        r = saved['sets'][name][b][f'depth2_dv{dv}']
+        _check_run(r, 2)
+        assert r['prompts'] == 2 and 0 < r['new_tokens'] <= 2 * 8 and r['draft_vocab'] == dv
+      effect = saved['draft_vocab_effect'][f'{name}/{b}/depth2']['64']
+      assert effect['ar1_minus_full'] == pytest.approx(
+          saved['sets'][name][b]['depth2_dv64']['ar'][0] - saved['sets'][name][b]['depth2_dv0']['ar'][0])
   if hf:
     assert saved['hf_prompts'] == 4 and 0 <= saved['hf_greedy_equal'] <= 4
     assert 0 <= saved['hf_lookup_equal_hf_plain'] <= 4
     for key in ('hf_plain_tokens_per_s', 'hf_lookup_tokens_per_s', 'ours_plain_tokens_per_s', 'ours_spec_tokens_per_s',
                 'ours_plain_over_hf_plain', 'ours_spec_over_hf_plain', 'ours_spec_over_hf_lookup'):
       assert saved[key] > 0 and math.isfinite(saved[key]), key
-    assert saved['ours_new_tokens'] == sum(saved['sets'][n]['b1']['depth2']['new_tokens'] for n in ('chat', 'code'))
+    assert saved['ours_new_tokens'] == sum(saved['sets'][n]['b1']['depth2_dv64']['new_tokens'] for n in ('chat', 'code'))
 
 
 def test_gguf_workdir_brings_its_own_trained_heads(fake_gguf, tmp_path):
