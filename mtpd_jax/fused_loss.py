@@ -35,7 +35,7 @@ def _shift_right(x_BxTx, k: int, fill=0):
 
 def _chunk(x_K1xCxD, w_DxV, targets_C, mask_K1xC, ce_coef_K1, kl_coef_K, cfg):
   """Loss sums of one chunk of rows and their gradients w.r.t. its hidden states and w."""
-  top_n, top_n_mode, kl, renormalize, tau, distill = cfg
+  top_n, top_n_mode, kl, renormalize, tau, distill, w_grad, main_grad = cfg
   z_K1xCxV = jnp.einsum('kcd,dv->kcv', x_K1xCxD, w_DxV.astype(x_K1xCxD.dtype),
                         preferred_element_type=jnp.float32)
   num_pred, rows, v = z_K1xCxV.shape
@@ -70,10 +70,17 @@ def _chunk(x_K1xCxD, w_DxV, targets_C, mask_K1xC, ce_coef_K1, kl_coef_K, cfg):
       kls.append(kl_1xC[0])
     dz_K1xCxV = dz_K1xCxV + jnp.concatenate(ds)
     sums['kl'] = jnp.sum(jnp.stack(kls) * mask_K1xC[1:], axis=-1)
-  dz = dz_K1xCxV.astype(x_K1xCxD.dtype)
+  # A frozen trunk (and final norm) takes no gradient from the main head's row, and a frozen
+  # unembedding none at all: those products are skipped, not computed and dropped.
+  first = 0 if main_grad else 1
+  dz = dz_K1xCxV[first:].astype(x_K1xCxD.dtype)
   dx_K1xCxD = jnp.einsum('kcv,dv->kcd', dz, w_DxV.astype(dz.dtype), preferred_element_type=jnp.float32)
-  dw_DxV = jnp.einsum('rd,rv->dv', x_K1xCxD.reshape(-1, x_K1xCxD.shape[-1]), dz.reshape(-1, v),
-                      preferred_element_type=jnp.float32)
+  dx_K1xCxD = jnp.concatenate([jnp.zeros_like(dx_K1xCxD[:first]), dx_K1xCxD])
+  if w_grad:
+    dw_DxV = jnp.einsum('rd,rv->dv', x_K1xCxD[first:].reshape(-1, x_K1xCxD.shape[-1]), dz.reshape(-1, v),
+                        preferred_element_type=jnp.float32)
+  else:
+    dw_DxV = jnp.zeros(w_DxV.shape, jnp.float32)
   return sums, dx_K1xCxD.astype(x_K1xCxD.dtype), dw_DxV
 
 
@@ -117,7 +124,8 @@ def mtp_d_loss_fused(hidden_K1xBxTxD, w_DxV, targets_BxT, segment_ids_BxT, targe
                      ce_weight: float = 0.3, beta=(1.0,), distill: bool = True, top_n: int | None = None,
                      top_n_mode: str = 'teacher', renormalize: bool = True, kl: str = 'forward',
                      tau: float = 1.0, detach: bool = True, teacher: str = 'main', beta_scale=1.0,
-                     selection: str = 'threshold', chunk_rows: int = 256):
+                     selection: str = 'threshold', chunk_rows: int = 256, w_grad: bool = True,
+                     main_grad: bool = True):
   """`losses.mtp_d_loss` of the logits hidden @ w, without materialising them (same metrics).
 
   Args:
@@ -125,6 +133,10 @@ def mtp_d_loss_fused(hidden_K1xBxTxD, w_DxV, targets_BxT, segment_ids_BxT, targe
     w_DxV: the shared unembedding (the model's `unembed`, or `embed.T` when tied).
     chunk_rows: rows (of B·T) per chunk: memory ∝ (K+1)·chunk_rows·V, and fewer, larger chunks
       run closer to matmul speed.
+    w_grad: False when `w_DxV` is frozen: its gradient (one product as large as the logits') is
+      not computed and comes back as zeros.
+    main_grad: False when nothing below the main head's hidden state trains (a frozen trunk and
+      final norm): the main head's row gets no gradient (zeros), only the heads' rows do.
     The rest: as `losses.mtp_d_loss`.
   """
   if not supported(distill=distill, teacher=teacher, detach=detach, selection=selection):
@@ -149,7 +161,7 @@ def mtp_d_loss_fused(hidden_K1xBxTxD, w_DxV, targets_BxT, segment_ids_BxT, targe
   x_K1xRxD = jnp.pad(x_K1xBxTxD.reshape(num_heads + 1, rows, d), ((0, 0), (0, pad), (0, 0)))
   targets_R = jnp.pad(targets_BxT.reshape(rows), (0, pad))
   mask_K1xR = jnp.pad(mask_K1xBxT.reshape(num_heads + 1, rows), ((0, 0), (0, pad)))
-  cfg = (top_n, top_n_mode, kl, renormalize, tau, distill)
+  cfg = (top_n, top_n_mode, kl, renormalize, tau, distill, w_grad, main_grad)
   loss, sums = _fused(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg, chunk_rows)
   sums = lax.stop_gradient(sums)
   metrics = {'xent': sums['ce'][0] / count_K1[0], 'loss': loss}

@@ -115,8 +115,19 @@ def abstract_train_state(config: ml_collections.ConfigDict, mesh) -> tuple[Train
 # Steps
 
 
+def fused_grad_flags(labels) -> dict[str, bool]:
+  """Which gradients the fused loss must form, from the 'train'/'frozen' labels of the parameters:
+  the unembedding's only if it trains, the main head's row only if something below it trains."""
+  top = {}
+  for path, label in jax.tree_util.tree_leaves_with_path(labels):
+    name = getattr(path[0], 'key', None)
+    top[name] = top.get(name, False) or label == 'train'
+  below_main = [trains for name, trains in top.items() if name not in ('mtp_heads', 'unembed')]
+  return dict(w_grad=top.get('unembed', top.get('embed', True)), main_grad=any(below_main))
+
+
 def _forward_loss(params, graphdef, batch, *, loss_kw, isolate_trunk, beta_scale, loss_chunk_rows=0,
-                  router_bias_delta=False):
+                  router_bias_delta=False, grad_flags=None):
   model = nnx.merge(graphdef, params)
   out = model(batch['inputs'], batch['segment_ids'], isolate_trunk=isolate_trunk,
               trunk_hidden_BxTxD=batch.get('trunk_hidden'))  # a frozen trunk's cached states
@@ -126,7 +137,8 @@ def _forward_loss(params, graphdef, batch, *, loss_kw, isolate_trunk, beta_scale
     # logits go unused and XLA drops them, so no [K+1, B, T, V] array is materialised.
     w_DxV = model.embed[...].T if model.cfg.tie_embeddings else model.unembed[...]
     loss, metrics = fused_loss.mtp_d_loss_fused(model.final_norm(out.hidden_K1xBxTxD), w_DxV, *labels,
-                                                beta_scale=beta_scale, chunk_rows=loss_chunk_rows, **loss_kw)
+                                                beta_scale=beta_scale, chunk_rows=loss_chunk_rows, **loss_kw,
+                                                **(grad_flags or {}))
   else:
     loss, metrics = losses.mtp_d_loss(out.logits_BxTxV, out.mtp_logits_KxBxTxV, *labels,
                                       beta_scale=beta_scale, **loss_kw)
@@ -143,7 +155,8 @@ def train_step(state: TrainState, batch, *, loss_kw, isolate_trunk, kl_warmup_st
     # Frozen parameters get no gradient at all, so XLA drops their backward pass.
     params = jax.tree.map(lambda p, l: p if l == 'train' else jax.lax.stop_gradient(p), params, labels)
     return _forward_loss(params, state.graphdef, batch, loss_kw=loss_kw, isolate_trunk=isolate_trunk,
-                         beta_scale=beta_scale, loss_chunk_rows=loss_chunk_rows, router_bias_delta=True)
+                         beta_scale=beta_scale, loss_chunk_rows=loss_chunk_rows, router_bias_delta=True,
+                         grad_flags=fused_grad_flags(labels))
   (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   bias_delta = metrics.pop('moe/router_bias_delta', None)
   updates, opt_state = state.tx.update(grads, state.opt_state, state.params)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtpd_jax import losses, sharding
@@ -183,6 +184,36 @@ def test_fused_loss_from_hidden_states_equals_the_loss_of_the_logits(kw):
     np.testing.assert_allclose(m_got[key], m_want[key], rtol=1e-5, atol=1e-6, err_msg=key)
   for a, b in zip(g_got, g_want):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.abs(b).max()))
+
+
+def test_fused_loss_skips_only_the_gradients_a_frozen_trunk_and_unembedding_discard():
+  from mtpd_jax import fused_loss
+  k, b, t, d, v = 2, 2, 10, 6, 40
+  hidden = jax.random.normal(jax.random.key(60), (k + 1, b, t, d))
+  w = jax.random.normal(jax.random.key(61), (d, v)) * 2.0
+  _, _, targets, seg, tseg = _loss_inputs(k=k, b=b, t=t, v=v)
+
+  def grads(**flags):
+    fn = lambda h, w_: fused_loss.mtp_d_loss_fused(h, w_, targets, seg, tseg, beta=(1.0, 0.5), top_n=7,
+                                                   chunk_rows=7, **flags)
+    return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))(hidden, w)
+  (loss, metrics), (g_h, g_w) = grads()
+  (loss_f, metrics_f), (g_hf, g_wf) = grads(w_grad=False, main_grad=False)
+  assert float(loss_f) == float(loss) and jax.tree.map(float, metrics_f) == jax.tree.map(float, metrics)
+  np.testing.assert_allclose(g_hf[1:], g_h[1:], rtol=1e-5, atol=1e-7)  # the heads' rows: as before
+  assert not np.any(g_hf[0]) and not np.any(g_wf) and np.any(g_h[0]) and np.any(g_w)
+
+
+def test_train_steps_form_the_fused_gradients_their_labels_need():
+  from mtpd_jax import recipe, train
+  from mtpd_jax.model import MTPTransformer
+  from conftest import small_config
+  config = small_config()
+  _, params = nnx.split(MTPTransformer(recipe.model_config(config), rngs=nnx.Rngs(0)), nnx.Param)
+  flags = lambda trainable: train.fused_grad_flags(recipe.trainable_labels(params, trainable))
+  assert flags('all') == dict(w_grad=True, main_grad=True)
+  assert flags('mtp_heads') == dict(w_grad=False, main_grad=False)
+  assert flags([2]) == dict(w_grad=False, main_grad=False)
 
 
 def test_fused_loss_refuses_what_it_does_not_implement():
