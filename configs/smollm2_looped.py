@@ -3,7 +3,10 @@
 Every row trains on the frozen pretrained trunk (configs/smollm2_mtpd.py). Rows: MTP-D with K=1;
 the same head looped to draft depth 8 without training (MTP-D*: depth j reuses head 1); and
 trained looping 1 -> 2 -> 4 -> 8, where each stage copies the trained heads and trains only the
-copies. `smollm2_looped:quick` runs on two CPU cores.
+copies. `smollm2_looped:quick` runs on two CPU cores in minutes; `smollm2_looped:cpu` is the two-core
+recipe of smollm2_mtpd:cpu (the frozen trunk's cached states) at half its steps per row and a
+quarter per looped stage, since the trained loop's later stages run up to 8 heads: about 90
+minutes by the per-step costs measured for smollm2_mtpd:cpu (not yet run end to end).
 """
 
 from configs import smollm2_mtpd
@@ -11,6 +14,8 @@ from configs import smollm2_mtpd
 
 def get_config(arg: str = ''):
   c = smollm2_mtpd.get_config(arg, num_heads=1)
+  if arg == 'cpu':
+    c.train.steps = 200
   c.looped.stage_steps = c.train.steps // 2
   return c
 
