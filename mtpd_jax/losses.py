@@ -69,7 +69,9 @@ def target_mask(segment_ids_BxT, target_segment_ids_BxT, k: int):
   """Positions i whose depth-k target (token i+k+1) is in the window and in token i's document.
 
   `segment_ids` label the inputs and `target_segment_ids` the targets (inputs shifted by one);
-  0 marks padding. Packed documents never leak into each other's targets.
+  0 marks padding. Packed documents never leak into each other's targets. Comparing the two ends
+  suffices because ids never decrease along a row (data.pack_window numbers documents by a running
+  count of EOS tokens), so equal ends mean no boundary in between.
   """
   tgt_seg_BxT = shift_left(target_segment_ids_BxT, k, fill=0)
   return (tgt_seg_BxT == segment_ids_BxT) & (segment_ids_BxT > 0)
