@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 from typing import Any
 
@@ -212,8 +213,10 @@ def resume_mismatch(saved: dict, current: dict) -> list[str]:
           and not (_inactive(a, k) and _inactive(b, k))]
 
 
-def write_config_atomically(path: str, text: str) -> None:
-  tmp = f'{path}.tmp'
-  with open(tmp, 'w') as f:
+def write_atomically(path: str, text: str) -> None:
+  """`text` into `path` via a temporary file and a rename: readers see the old file or the new one."""
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix='.tmp-')
+  with os.fdopen(fd, 'w', encoding='utf-8') as f:
     f.write(text)
   os.replace(tmp, path)

@@ -10,8 +10,9 @@ A pretrained model's tokenizer (gguf_llama.py) brings its own Jinja chat templat
 import hashlib
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
+
+from mtpd_jax import runtime
 
 EOS, IM_START, IM_END = '<|endoftext|>', '<|im_start|>', '<|im_end|>'
 SPECIAL_TOKENS = (EOS, IM_START, IM_END)  # ids 0, 1, 2
@@ -115,7 +116,7 @@ class Tokenizer:
 
   def save(self, path: str) -> None:
     """Write the `tokenizers` JSON file atomically."""
-    _atomic_write(path, self._tok.to_str())
+    runtime.write_atomically(path, self._tok.to_str())
 
   @classmethod
   def load(cls, path: str) -> 'Tokenizer':
@@ -136,14 +137,6 @@ def _jinja_template(source: str):
     raise ValueError(f'chat template: {message}')
   env.globals['raise_exception'] = raise_exception
   return env.from_string(source)
-
-
-def _atomic_write(path: str, text: str) -> None:
-  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix='.tmp-')
-  with os.fdopen(fd, 'w', encoding='utf-8') as f:
-    f.write(text)
-  os.replace(tmp, path)
 
 
 def bpe_key(texts: Sequence[str], vocab_size: int) -> str:

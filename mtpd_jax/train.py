@@ -273,7 +273,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
                   progress=progress)
     log = runtime.MetricsLog(os.path.join(workdir, 'metrics.jsonl'), start)  # may refuse: before config.json
     if jax.process_index() == 0:
-      runtime.write_config_atomically(os.path.join(workdir, 'config.json'), config.to_json(indent=2))
+      runtime.write_atomically(os.path.join(workdir, 'config.json'), config.to_json(indent=2))
     tokens_per_step = config.data.batch_size * config.data.seq_len
     bar = runtime.progress_bar(progress, start, config.train.steps)
     pending, last_log = None, (start, time.perf_counter())

@@ -167,11 +167,8 @@ class TrunkCache:
     if os.path.isdir(self.directory) and os.listdir(self.directory):
       raise TrunkCacheError(f'{self.directory} is not empty and holds no meta.json, so it is not a trunk '
                             'cache; name an empty or new train.trunk_cache_dir')
-    os.makedirs(self.directory, exist_ok=True)
-    tmp = meta_path + '.tmp'
-    with open(tmp, 'w') as f:
-      json.dump(dict(inputs=inputs, key=_key(inputs), shapes=shapes), f, indent=1, sort_keys=True)
-    os.replace(tmp, meta_path)
+    runtime.write_atomically(meta_path, json.dumps(dict(inputs=inputs, key=_key(inputs), shapes=shapes),
+                                                   indent=1, sort_keys=True))
 
   def _rows_done(self, split: str) -> int:
     try:
@@ -220,7 +217,4 @@ class TrunkCache:
                             'are kept and a rerun continues from them') from None
 
   def _write_rows(self, split: str, rows: int) -> None:
-    tmp = self._path(split, '.rows.tmp')
-    with open(tmp, 'w') as f:
-      f.write(str(rows))
-    os.replace(tmp, self._path(split, '.rows'))
+    runtime.write_atomically(self._path(split, '.rows'), str(rows))
