@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from configs import base, tiny
-from mtpd_jax import evaluate, losses, recipe, sharding, train
+from mtpd_jax import losses, sharding
+from mtpd_jax.harness import evaluate, recipe, training
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), 'results')
 TOP_N_FRACTION = 10_000 / 122_880  # the paper's N / V (≈ 8.1%)
@@ -61,9 +62,9 @@ class Step:
     config.train.loss_chunk_rows = fused_chunk_rows
     if selection:
       config.distill.selection = selection
-    self.abstract, shardings = train.abstract_train_state(config, mesh)
-    self.step_fn, _ = train.make_steps(config, mesh, shardings)
-    self.state = train.init_train_state(config, self.abstract, shardings) if init else None
+    self.abstract, shardings = training.abstract_state(config, mesh)
+    self.step_fn, _ = training.make_steps(config, mesh, shardings)
+    self.state = training.init_state(config, self.abstract, shardings) if init else None
     self.batch = sharding.put_batch(next(recipe.make_data_iterator(config, 'train')), mesh)
     self.tokens = config.data.batch_size * config.data.seq_len
     self._compiled = None

@@ -25,7 +25,8 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import common
-from mtpd_jax import decode, evaluate, gguf_llama
+from mtpd_jax import decode
+from mtpd_jax.harness import evaluate, gguf_llama
 from mtpd_jax.model import ModelConfig, MTPTransformer, cache_mask, init_cache
 
 TINY = ModelConfig(vocab_size=256, dim=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -172,5 +173,5 @@ def main(args: argparse.Namespace) -> dict:
 
 
 if __name__ == '__main__':
-  from mtpd_jax import cli
+  from mtpd_jax.harness import cli
   cli.run(lambda: main(parse_args()))  # bad input: one 'error:' line, exit 2

@@ -42,7 +42,8 @@ import optax
 from flax import nnx
 
 from benchmarks import common
-from mtpd_jax import data, decode, evaluate
+from mtpd_jax import data, decode
+from mtpd_jax.harness import evaluate
 from mtpd_jax.model import ModelConfig, MTPTransformer
 
 # An 8-layer trunk, so that a head (one block) costs about 1/8 of a trunk forward, as in real MTP models.
@@ -133,7 +134,7 @@ def _tiny_setup(args):
 
 def _gguf_setup(args):
   """(model, prompt sets, stop tokens, pad multiple, draft-vocabulary source tokens, info) of a GGUF llama."""
-  from mtpd_jax import corpus, gguf_llama, prompts, train  # pylint: disable=import-outside-toplevel
+  from mtpd_jax.harness import corpus, gguf_llama, prompts, training
   path = gguf_llama.resolve(args.model)
   tok = gguf_llama.load_tokenizer(args.model)
   embedded = functools.cache(lambda: corpus.prepare_embedded(
@@ -141,7 +142,7 @@ def _gguf_setup(args):
   tokens = lambda: np.load(embedded().train_tokens_path)
   info, start = {'file': os.path.basename(path)}, time.perf_counter()
   if args.workdir:
-    model, config = train.restore_model(args.workdir)
+    model, config = training.restore_model(args.workdir)
     gguf_llama.check_model_config(config.model.to_dict(), args.model)
     info['workdir'] = args.workdir
   else:
@@ -313,7 +314,7 @@ def main(args: argparse.Namespace) -> dict:
     elif not hf_generate.available():
       results['hf'] = 'skipped: transformers or torch is not installed (requirements-hf.txt)'
     else:
-      from mtpd_jax import gguf_llama  # pylint: disable=import-outside-toplevel
+      from mtpd_jax.harness import gguf_llama  # pylint: disable=import-outside-toplevel
       first = f'depth{depths[0]}' + (f'_dv{args.draft_vocab[0]}' if len(vocabs) > 1 else '')
       b1 = {name: results['sets'][name]['b1'][first] for name in sets}
       results.update(hf_side_by_side(model, gguf_llama.resolve(args.model), sets, b1, stop=stop,
@@ -326,5 +327,5 @@ def main(args: argparse.Namespace) -> dict:
 
 
 if __name__ == '__main__':
-  from mtpd_jax import cli
+  from mtpd_jax.harness import cli
   cli.run(lambda: main(parse_args()))  # bad input: one 'error:' line, exit 2

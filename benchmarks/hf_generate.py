@@ -33,7 +33,7 @@ def timed_generate(path: str, prompts, *, max_new_tokens: int, stop_tokens, repe
 
   One untimed call of each setting warms up; then `repeats` passes over all prompts alternate
   between the settings, and a setting's time is the sum over prompts of each prompt's best, as
-  mtpd_jax.evaluate.timed_decode times ours. Generation stops at any of `stop_tokens` (kept in
+  mtpd_jax.harness.evaluate.timed_decode times ours. Generation stops at any of `stop_tokens` (kept in
   the output, as ours keeps it) or after `max_new_tokens`.
   """
   import torch  # pylint: disable=import-outside-toplevel

@@ -3,7 +3,7 @@
   python -m benchmarks.hf_parity [--ref=smollm2] [--out=benchmarks/results/hf_parity.json]
 
 Both load the same GGUF checkpoint (SmolLM2-135M-Instruct by default) in f32 on the CPU: ours
-through mtpd_jax.gguf_llama (interleaved RoPE on the GGUF row order, tied embeddings), theirs
+through mtpd_jax.harness.gguf_llama (interleaved RoPE on the GGUF row order, tied embeddings), theirs
 through `AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)`, offline. For a few prompts,
 one of them a ChatML conversation from the model's chat template, it compares the token ids of
 both tokenizers and the logits of every position. Prints name=value lines, the last being
@@ -20,7 +20,7 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')  # never reach a hub: the GGUF file
 import jax
 import numpy as np
 
-from mtpd_jax import gguf_llama
+from mtpd_jax.harness import gguf_llama
 
 RESULTS = os.path.join(os.path.dirname(__file__), 'results', 'hf_parity.json')
 TEXTS = (
@@ -90,5 +90,5 @@ def main():
 
 
 if __name__ == '__main__':
-  from mtpd_jax import cli
+  from mtpd_jax.harness import cli
   cli.run(main)  # bad input: one 'error:' line, exit 2

@@ -82,5 +82,5 @@ def main(args: argparse.Namespace) -> dict:
 
 
 if __name__ == '__main__':
-  from mtpd_jax import cli
+  from mtpd_jax.harness import cli
   cli.run(lambda: main(parse_args()))  # bad input: one 'error:' line, exit 2

@@ -11,5 +11,5 @@ def get_sweep():
   return [
       {'label': 'MTP', 'distill.enabled': False},
       {'label': 'MTP-D (detach)', 'distill.detach': True},
-      {'label': 'no detach', 'distill.detach': False},
+      {'label': 'no detach', 'distill.detach': False, 'train.loss_chunk_rows': 0},  # the fused loss needs detach
   ]

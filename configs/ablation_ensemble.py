@@ -11,5 +11,5 @@ def get_config(arg: str = ''):
 def get_sweep():
   return [
       {'label': 'main-head teacher (MTP-D)', 'distill.teacher': 'main'},
-      {'label': 'ensemble mean', 'distill.teacher': 'ensemble_mean'},
+      {'label': 'ensemble mean', 'distill.teacher': 'ensemble_mean', 'train.loss_chunk_rows': 0},  # the fused loss needs the main head
   ]

@@ -2,7 +2,7 @@
 
 Other configs start from `get_config()` here and override a few fields; an ablation adds
 `get_sweep()`, a list of flattened overrides, one per run. A new field needs a rule (its type and
-range) in `FIELD_RULES` of mtpd_jax/recipe.py, checked before any work; tests/validation_test.py
+range) in `FIELD_RULES` of mtpd_jax/harness/validation.py, checked before any work; tests/validation_test.py
 fails while one is missing.
 """
 
@@ -64,7 +64,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.distill.teacher = 'main'      # 'main' | 'ensemble_mean' (mean of every earlier predictor)
   c.distill.warmup_steps = 0      # linear ramp of β from 0 over these steps (0 = KL from step 0)
 
-  c.data = ml_collections.ConfigDict()  # training text and batches (mtpd_jax/data.py, mtpd_jax/corpus.py)
+  c.data = ml_collections.ConfigDict()  # training text and batches (mtpd_jax/data.py, mtpd_jax/harness/corpus.py)
   c.data.source = 'synthetic'     # 'synthetic' (learnable, in memory) | 'embedded' | 'tokens'
   c.data.cache_dir = ''           # embedded corpus + tokenizer cache; '' = $MTPD_JAX_CACHE or ~/.cache/mtpd_jax
   c.data.embedded_chars = 12_000_000  # ShareGPT chat + Python stdlib text for 'embedded'
@@ -106,7 +106,7 @@ def get_config() -> ml_collections.ConfigDict:
   # (fused_loss.py), never the [K+1, B, T, V] logits; 0: losses.mtp_d_loss on the logits.
   c.train.loss_chunk_rows = 256
   # Frozen trunk only (trainable != 'all'): read the trunk's hidden states from a cache on disk,
-  # computed once per trunk and data (mtpd_jax/trunk_cache.py), instead of running the trunk.
+  # computed once per trunk and data (mtpd_jax/harness/trunk_cache.py), instead of running the trunk.
   c.train.trunk_cache = False
   c.train.trunk_cache_dir = ''    # '' = <data cache dir>/trunk-<hash of its inputs>
   c.train.trunk_cache_dtype = 'float32'  # 'float32' (results as without the cache) | 'bfloat16' (half the disk)

@@ -3,7 +3,7 @@
   python -m experiments.evaluate --workdir=DIR [--draft_depth=8]
 
 The prompt sets and decoding lengths come from the workdir's config (`eval.*`, see
-mtpd_jax.recipe.prompt_sets); a draft depth above K reuses head ((j-1) mod K)+1 (MTP-D* of Table 8).
+mtpd_jax.harness.recipe.prompt_sets); a draft depth above K reuses head ((j-1) mod K)+1 (MTP-D* of Table 8).
 Writes eval.json, eval.md and eval.png into the workdir and prints name=value lines.
 """
 
@@ -27,19 +27,20 @@ def _fmt(x) -> str:
 
 def check_inputs(workdir: str, draft_depth: int) -> None:
   """The workdir, its config.json and the files that config names, before any work."""
-  from mtpd_jax import cli, recipe, train
+  from configs import base
+  from mtpd_jax.harness import cli, training, validation
   if draft_depth < 0:
     raise cli.InputError(f'--draft_depth={draft_depth} must be >= 0 (0 = eval.draft_depth or K)')
   if not os.path.isdir(workdir):
     raise FileNotFoundError(f'--workdir={workdir} is not a directory')
   try:
-    config = train.saved_config(workdir)
+    config = training.saved_config(workdir, base.get_config())
   except json.JSONDecodeError as e:
     raise cli.InputError(f'{os.path.join(workdir, "config.json")}:{e.lineno}: not valid JSON ({e.msg})') from None
   heads = config.mtp.num_heads
   if draft_depth and not heads:
     raise cli.InputError(f'--draft_depth={draft_depth}: the model of {workdir} has no MTP heads to draft with')
-  recipe.validate_config(config, mesh=False)  # evaluation builds its own mesh
+  validation.validate_config(config, mesh=False)  # evaluation builds its own mesh
   if not os.path.isdir(os.path.join(workdir, 'checkpoints')) or not any(
       n.isdigit() for n in os.listdir(os.path.join(workdir, 'checkpoints'))):
     raise FileNotFoundError(f'{workdir} holds no checkpoint to evaluate')
@@ -48,10 +49,11 @@ def check_inputs(workdir: str, draft_depth: int) -> None:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
-  from mtpd_jax import experiment  # after flag parsing, so --help stays fast
+  from configs import base
+  from mtpd_jax.harness import experiment  # after flag parsing, so --help stays fast
   workdir, draft_depth = flags.FLAGS.workdir, flags.FLAGS.draft_depth
   check_inputs(workdir, draft_depth)
-  out = experiment.evaluate_workdir(workdir, draft_depth or None)
+  out = experiment.evaluate_workdir(workdir, draft_depth or None, defaults=base.get_config())
   for name, r in out['prompt_sets'].items():
     for k, (ar, car) in enumerate(zip(r['ar'], r['car']), 1):
       print(f'eval/{name}/ar/k{k}={_fmt(ar)} eval/{name}/car/k{k}={_fmt(car)}')
@@ -64,8 +66,8 @@ def main(argv):
 
 
 def run():
-  """The entry point: bad input is one `error:` line and exit 2 (mtpd_jax/cli.py)."""
-  from mtpd_jax import cli
+  """The entry point: bad input is one `error:` line and exit 2 (mtpd_jax/harness/cli.py)."""
+  from mtpd_jax.harness import cli
   _define_flags()
   cli.run(lambda: app.run(main, flags_parser=cli.parse_absl_flags))
 

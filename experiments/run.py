@@ -35,7 +35,7 @@ def resolve_config_arg(value: str) -> str:
     name = os.path.join(CONFIG_DIR, name + '.py')
   if not os.path.isfile(name):
     raise FileNotFoundError(f'config file {name} does not exist')
-  from mtpd_jax import cli
+  from mtpd_jax.harness import cli
   cli.check_config_file(name, arg)  # a syntax error or a wrong ':arg' is named here, not in a traceback
   return name + sep + arg
 
@@ -87,7 +87,7 @@ def use_compilation_cache() -> None:
   of them; each is compiled once per machine. JAX_ENABLE_COMPILATION_CACHE=false turns it off.
   """
   import jax
-  from mtpd_jax import corpus
+  from mtpd_jax.harness import corpus
   if not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
     jax.config.update('jax_compilation_cache_dir', os.path.join(corpus.default_cache_dir(), 'xla'))
   if not os.environ.get('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'):
@@ -105,7 +105,7 @@ def maybe_initialize_distributed() -> None:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-  from mtpd_jax import experiment  # after flag parsing, so --help stays fast
+  from mtpd_jax.harness import experiment  # after flag parsing, so --help stays fast
   use_compilation_cache()
   maybe_initialize_distributed()
   path = flags.FLAGS['config'].config_filename
@@ -117,9 +117,9 @@ def main(argv):
   config = copy.deepcopy(_CONFIG.value)
   if _MODEL.value:
     config = with_model_preset(config, _MODEL.value, config_flags.get_override_values(flags.FLAGS['config']))
-  from mtpd_jax import recipe
-  recipe.check_fields(config)  # e.g. seeds=0 would run nothing; each sweep point is validated in full later
-  recipe.check_decoding_fits(config)
+  from mtpd_jax.harness import validation
+  validation.check_fields(config)  # e.g. seeds=0 would run nothing; each sweep point is validated in full later
+  validation.check_decoding_fits(config)
   workdir, results_dir = experiment.run_places(name, path.partition(':')[2], _WORKDIR.value, _RESULTS_DIR.value)
   report = experiment.run_sweep(config, sweep, workdir, results_dir, indices=None if index is None else [index])
   print(report, flush=True)
@@ -127,8 +127,8 @@ def main(argv):
 
 
 def run():
-  """The entry point: bad input is one `error:` line and exit 2 (mtpd_jax/cli.py)."""
-  from mtpd_jax import cli
+  """The entry point: bad input is one `error:` line and exit 2 (mtpd_jax/harness/cli.py)."""
+  from mtpd_jax.harness import cli
 
   def body():
     sys.argv = _rewrite_argv(sys.argv)

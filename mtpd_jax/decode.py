@@ -47,7 +47,8 @@ import numpy as np
 from flax import nnx
 
 from mtpd_jax import sampling
-from mtpd_jax.model import Cache, ModelConfig, MTPTransformer, attention_mask, cache_mask, init_cache, shift_left
+from mtpd_jax.model import Cache, ModelConfig, MTPTransformer, attention_mask, cache_mask, init_cache
+from mtpd_jax.shifts import shift_left
 
 
 @dataclasses.dataclass(frozen=True)

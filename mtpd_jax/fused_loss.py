@@ -11,9 +11,10 @@ Alignment: head k at position i predicts token i+k+1 = targets[i+k], as does the
 i+k, its teacher. Shifting head k's hidden states right by k puts every predictor of targets[j]
 on row j, so a chunk of rows holds each KL pair whole.
 
-Supported (see `supported`): plain MTP, and MTP-D with teacher='main', detach=True and
+Supported (see `supports`): plain MTP, and MTP-D with teacher='main', detach=True and
 selection='threshold' (the defaults) with any top_n (or None), top_n_mode, renormalize, kl and
-tau. Metrics are not differentiable.
+tau. Any other setting is refused (the harness refuses it when it reads the config). Metrics are
+not differentiable.
 """
 
 import functools
@@ -23,14 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtpd_jax import losses
-
-
-def _shift_right(x_BxTx, k: int, fill=0):
-  """x[:, i - k] at position i; the first k positions get `fill`."""
-  if k == 0:
-    return x_BxTx
-  pad = jnp.full((x_BxTx.shape[0], k) + x_BxTx.shape[2:], fill, x_BxTx.dtype)
-  return jnp.concatenate([pad, x_BxTx[:, :-k]], axis=1)
+from mtpd_jax.shifts import shift_right
 
 
 def _chunk(x_K1xCxD, w_DxV, targets_C, mask_K1xC, ce_coef_K1, kl_coef_K, cfg):
@@ -56,17 +50,15 @@ def _chunk(x_K1xCxD, w_DxV, targets_C, mask_K1xC, ce_coef_K1, kl_coef_K, cfg):
     t_1xCxV = z_K1xCxV[:1] / tau
     thr_1xC = (losses.top_n_threshold(t_1xCxV, top_n) if top_n is not None
                else jnp.full((1, rows), -jnp.inf))
-    t_lse = None
-    if top_n_mode == 'teacher':  # the teacher's log-normaliser over S, shared by every head
-      sel = losses._selection(t_1xCxV, thr_1xC)
-      t_lse = losses._lse(t_1xCxV + (sel - 1.0) * losses._OFF if renormalize else t_1xCxV)
+    # In 'teacher' mode the teacher's log-normaliser over S is shared by every head.
+    t_lse = losses.teacher_log_normalizer(t_1xCxV, thr_1xC, renormalize) if top_n_mode == 'teacher' else None
     kls, ds = [], [jnp.zeros((1, rows, v), jnp.float32)]
     for k in range(1, num_pred):
       s_1xCxV = z_K1xCxV[k:k + 1] / tau
       s_thr_1xC = losses.top_n_threshold(s_1xCxV, top_n) if top_n_mode == 'union' else None
-      kl_1xC, res = losses._detached_kl_fwd(t_1xCxV, s_1xCxV, thr_1xC, s_thr_1xC, t_lse, 0, kl, renormalize)
+      kl_1xC, res = losses.detached_kl_fwd(t_1xCxV, s_1xCxV, thr_1xC, s_thr_1xC, t_lse, 0, kl, renormalize)
       g_1xC = kl_coef_K[k - 1] * mask_K1xC[k:k + 1]
-      ds.append(losses._detached_kl_bwd(0, kl, renormalize, res, g_1xC)[1] / tau)
+      ds.append(losses.detached_kl_bwd(0, kl, renormalize, res, g_1xC)[1] / tau)
       kls.append(kl_1xC[0])
     dz_K1xCxV = dz_K1xCxV + jnp.concatenate(ds)
     sums['kl'] = jnp.sum(jnp.stack(kls) * mask_K1xC[1:], axis=-1)
@@ -114,60 +106,54 @@ def _fused_bwd(cfg, chunk_rows, res, cts):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def supported(*, distill: bool = True, teacher: str = 'main', detach: bool = True, selection: str = 'threshold',
-              **_) -> bool:
-  """Whether `mtp_d_loss_fused` implements these `losses.mtp_d_loss` keywords."""
-  return not distill or (teacher == 'main' and detach and selection == 'threshold')
+def supports(cfg: losses.LossConfig) -> bool:
+  """Whether `mtp_d_loss_fused` implements `cfg` (the harness refuses a fused loss that does not)."""
+  return not cfg.distill or (cfg.teacher == 'main' and cfg.detach and cfg.selection == 'threshold')
 
 
-def mtp_d_loss_fused(hidden_K1xBxTxD, w_DxV, targets_BxT, segment_ids_BxT, target_segment_ids_BxT, *,
-                     ce_weight: float = 0.3, beta=(1.0,), distill: bool = True, top_n: int | None = None,
-                     top_n_mode: str = 'teacher', renormalize: bool = True, kl: str = 'forward',
-                     tau: float = 1.0, detach: bool = True, teacher: str = 'main', beta_scale=1.0,
-                     selection: str = 'threshold', chunk_rows: int = 256, w_grad: bool = True,
-                     main_grad: bool = True):
+def mtp_d_loss_fused(hidden_K1xBxTxD, w_DxV, targets_BxT, segment_ids_BxT, target_segment_ids_BxT,
+                     cfg: losses.LossConfig = losses.LossConfig(), *, beta_scale=1.0, chunk_rows: int = 256,
+                     w_grad: bool = True, main_grad: bool = True):
   """`losses.mtp_d_loss` of the logits hidden @ w, without materialising them (same metrics).
 
   Args:
     hidden_K1xBxTxD: final-normed hidden states of the main head (index 0) and heads 1..K.
     w_DxV: the shared unembedding (the model's `unembed`, or `embed.T` when tied).
+    cfg, beta_scale: as `losses.mtp_d_loss`; `supports(cfg)` must hold.
     chunk_rows: rows (of B·T) per chunk: memory ∝ (K+1)·chunk_rows·V, and fewer, larger chunks
       run closer to matmul speed.
     w_grad: False when `w_DxV` is frozen: its gradient (one product as large as the logits') is
       not computed and comes back as zeros.
     main_grad: False when nothing below the main head's hidden state trains (a frozen trunk and
       final norm): the main head's row gets no gradient (zeros), only the heads' rows do.
-    The rest: as `losses.mtp_d_loss`.
   """
-  if not supported(distill=distill, teacher=teacher, detach=detach, selection=selection):
-    raise ValueError('mtp_d_loss_fused supports teacher=main, detach=True, selection=threshold; got '
-                     f'teacher={teacher!r}, detach={detach}, selection={selection!r}: use losses.mtp_d_loss')
-  if kl not in losses.KL_DIRECTIONS or top_n_mode not in losses.TOP_N_MODES:
-    raise ValueError(f'unknown kl={kl!r} or top_n_mode={top_n_mode!r}')
+  if not supports(cfg):
+    raise ValueError('the fused loss supports teacher=main, detach=True, selection=threshold; got '
+                     f'teacher={cfg.teacher!r}, detach={cfg.detach}, selection={cfg.selection!r}: '
+                     'set train.loss_chunk_rows=0 for the loss on full logits')
   num_heads = hidden_K1xBxTxD.shape[0] - 1
-  if len(beta) != num_heads:
-    raise ValueError(f'beta has {len(beta)} values for {num_heads} MTP heads')
+  cfg.check_heads(num_heads)
   b, t, d = hidden_K1xBxTxD.shape[1:]
   # Row j of predictor k: head k at position j-k, which predicts targets[j] like the main head at j.
-  x_K1xBxTxD = jnp.stack([_shift_right(hidden_K1xBxTxD[k], k) for k in range(num_heads + 1)])
-  mask_K1xBxT = jnp.stack([_shift_right(losses.target_mask(segment_ids_BxT, target_segment_ids_BxT, k), k,
+  x_K1xBxTxD = jnp.stack([shift_right(hidden_K1xBxTxD[k], k) for k in range(num_heads + 1)])
+  mask_K1xBxT = jnp.stack([shift_right(losses.target_mask(segment_ids_BxT, target_segment_ids_BxT, k), k,
                                         fill=False) for k in range(num_heads + 1)]).astype(jnp.float32)
   count_K1 = jnp.maximum(jnp.sum(mask_K1xBxT, axis=(1, 2)), 1.0)
-  ce_coef_K1 = jnp.concatenate([jnp.ones(1), jnp.full(num_heads, ce_weight / max(num_heads, 1))]) / count_K1
-  kl_coef_K = beta_scale * jnp.asarray(beta, jnp.float32) / count_K1[1:]
+  ce_coef_K1 = jnp.concatenate([jnp.ones(1), jnp.full(num_heads, cfg.ce_weight / max(num_heads, 1))]) / count_K1
+  kl_coef_K = beta_scale * jnp.asarray(cfg.beta, jnp.float32) / count_K1[1:]
   rows = b * t
   chunk_rows = min(chunk_rows, rows)
   pad = -rows % chunk_rows
   x_K1xRxD = jnp.pad(x_K1xBxTxD.reshape(num_heads + 1, rows, d), ((0, 0), (0, pad), (0, 0)))
   targets_R = jnp.pad(targets_BxT.reshape(rows), (0, pad))
   mask_K1xR = jnp.pad(mask_K1xBxT.reshape(num_heads + 1, rows), ((0, 0), (0, pad)))
-  cfg = (top_n, top_n_mode, kl, renormalize, tau, distill, w_grad, main_grad)
-  loss, sums = _fused(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg, chunk_rows)
+  static = (cfg.top_n, cfg.top_n_mode, cfg.kl, cfg.renormalize, cfg.tau, cfg.distill, w_grad, main_grad)
+  loss, sums = _fused(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, static, chunk_rows)
   sums = lax.stop_gradient(sums)
   metrics = {'xent': sums['ce'][0] / count_K1[0], 'loss': loss}
   for k in range(1, num_heads + 1):
     metrics[f'mtp/k{k}/xent'] = sums['ce'][k] / count_K1[k]
     metrics[f'mtp/k{k}/agree'] = sums['agree'][k] / count_K1[k]
-    if distill:
+    if cfg.distill:
       metrics[f'distill/k{k}/kl'] = sums['kl'][k - 1] / count_K1[k]
   return loss, metrics

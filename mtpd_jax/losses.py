@@ -13,13 +13,14 @@ over a vocab-sharded mesh axis (only per-row scalars cross devices). Its set equ
 the logits are distinct; logits tied with the N-th largest are all selected.
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mtpd_jax.model import shift_left
+from mtpd_jax.shifts import shift_left
 from mtpd_jax.top_n import above, count_above, top_n_threshold  # noqa: F401  (re-exported)
 
 KL_DIRECTIONS = ('forward', 'reverse')
@@ -28,6 +29,46 @@ TEACHERS = ('main', 'ensemble_mean')
 SELECTIONS = ('top_k', 'threshold')
 _MASKED = -1e9  # logit of an unselected entry: exp underflows to 0, differences stay finite
 _OFF = 1e30     # subtracted from unselected logits in the threshold form (absorbs the logit in f32)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """Every setting of the MTP-D loss (docs/design.md, "Data flow"), checked once when built.
+
+  ce_weight: λ; each head's CE weight is α_k = λ/K. beta: β_k, one value per head. distill: False
+  gives the plain "MTP" baseline (CE only, no KL computed). top_n: N, or None for the whole
+  vocabulary. top_n_mode ('teacher' or 'union'), renormalize, kl ('forward' or 'reverse'), tau,
+  detach, teacher ('main' or 'ensemble_mean'): the paper's ablation knobs (Tables 2 and 6), see
+  `top_n_indices`, `kl_divergence`, `ensemble_teacher`. selection: how Top-N is found:
+  'threshold' (`top_n_threshold`, a mask; ties at the N-th value are all selected) or 'top_k'
+  (`lax.top_k` indices, gathered).
+  """
+  ce_weight: float = 0.3
+  beta: tuple[float, ...] = (1.0,)
+  distill: bool = True
+  top_n: int | None = None
+  top_n_mode: str = 'teacher'
+  renormalize: bool = True
+  kl: str = 'forward'
+  tau: float = 1.0
+  detach: bool = True
+  teacher: str = 'main'
+  selection: str = 'threshold'
+
+  def __post_init__(self):
+    object.__setattr__(self, 'beta', tuple(float(b) for b in self.beta))
+    for name, choices in (('teacher', TEACHERS), ('top_n_mode', TOP_N_MODES), ('selection', SELECTIONS),
+                          ('kl', KL_DIRECTIONS)):
+      if getattr(self, name) not in choices:
+        raise ValueError(f'unknown {name} {getattr(self, name)!r}; expected one of {choices}')
+    if self.top_n is not None and self.top_n < 1:
+      raise ValueError(f'top_n={self.top_n}: expected a positive count or None (the whole vocabulary)')
+    if not self.tau > 0:
+      raise ValueError(f'tau={self.tau}: expected a positive temperature')
+
+  def check_heads(self, num_heads: int) -> None:
+    if len(self.beta) != num_heads:
+      raise ValueError(f'beta has {len(self.beta)} values for {num_heads} MTP heads')
 
 
 @jax.custom_vjp
@@ -97,7 +138,7 @@ def top_n_indices(teacher_BxTxV, student_BxTxV, top_n: int, mode: str):
 # The masked (threshold-selected) KL
 
 
-def _lse(x_BxTxV):
+def log_normalizer(x_BxTxV):
   """logsumexp over V as (m, log Σ exp(x - m)), m the stop-gradient max; log-probabilities are
   then (x - m) - log Σ, exact to f32 rounding of x - m even where |x| is large."""
   m_BxT = lax.stop_gradient(jnp.max(x_BxTxV, axis=-1))
@@ -108,7 +149,7 @@ def _log_probs(x_BxTxV, lse):
   return (x_BxTxV - lse[0][..., None]) - lse[1][..., None]
 
 
-def _selection(teacher_BxTxV, threshold_BxT, student_BxTxV=None, student_threshold_BxT=None):
+def selection_mask(teacher_BxTxV, threshold_BxT, student_BxTxV=None, student_threshold_BxT=None):
   """1.0 on the selected entries (teacher > its threshold, ∪ student > its threshold), else 0.0."""
   sel = above(lax.stop_gradient(teacher_BxTxV) - threshold_BxT[..., None])
   if student_threshold_BxT is not None:
@@ -117,13 +158,21 @@ def _selection(teacher_BxTxV, threshold_BxT, student_BxTxV=None, student_thresho
   return sel
 
 
+def teacher_log_normalizer(t_BxTxV, threshold_BxT, renormalize: bool):
+  """`log_normalizer` of the teacher over its own selection (over V if not `renormalize`): in
+  'teacher' mode it is the same for every head, so it is computed once per row."""
+  if not renormalize:
+    return log_normalizer(t_BxTxV)
+  return log_normalizer(t_BxTxV + (selection_mask(t_BxTxV, threshold_BxT) - 1.0) * _OFF)
+
+
 def _masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT=None, s_lse_BxT=None):
   """Teacher and student log-probabilities, over the selection or (renormalize=False) over V."""
   if renormalize:
     off_BxTxV = (sel_BxTxV - 1.0) * _OFF  # unselected: -1e30, so their probabilities are exactly 0
     t_BxTxV, s_BxTxV = t_BxTxV + off_BxTxV, s_BxTxV + off_BxTxV
-  t_lse_BxT = _lse(t_BxTxV) if t_lse_BxT is None else t_lse_BxT
-  s_lse_BxT = _lse(s_BxTxV) if s_lse_BxT is None else s_lse_BxT
+  t_lse_BxT = log_normalizer(t_BxTxV) if t_lse_BxT is None else t_lse_BxT
+  s_lse_BxT = log_normalizer(s_BxTxV) if s_lse_BxT is None else s_lse_BxT
   return _log_probs(t_BxTxV, t_lse_BxT), _log_probs(s_BxTxV, s_lse_BxT), t_lse_BxT, s_lse_BxT
 
 
@@ -155,7 +204,7 @@ def _detached_kl(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, directi
   i against the main head at row i+k. The gradient is an elementwise expression of the logits
   and per-row scalars, recomputed in the backward pass, so no [.., V] residual is stored.
   """
-  return _detached_kl_fwd(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, direction, renormalize)[0]
+  return detached_kl_fwd(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, direction, renormalize)[0]
 
 
 def _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, renormalize, s_lse_R=None):
@@ -166,13 +215,13 @@ def _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, renormalize
   thr_BxT = shift_left(thr_BxT, shift, fill=-jnp.inf)  # rows past the end: select everything
   t_lse_BxT = jax.tree.map(lambda x: shift_left(x, shift), t_lse_BxT)
   rows = lambda x: jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), x)
-  sel_RxV = _selection(rows(t_BxTxV), rows(thr_BxT), rows(s_BxTxV), rows(s_thr_BxT))
+  sel_RxV = selection_mask(rows(t_BxTxV), rows(thr_BxT), rows(s_BxTxV), rows(s_thr_BxT))
   logq, logp, _, s_lse_R = _masked_log_probs(rows(t_BxTxV), rows(s_BxTxV), sel_RxV, renormalize,
                                              rows(t_lse_BxT), s_lse_R)
   return sel_RxV, logq, logp, s_lse_R
 
 
-def _detached_kl_fwd(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, direction, renormalize):
+def detached_kl_fwd(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, direction, renormalize):
   sel_RxV, logq, logp, s_lse_R = _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift,
                                           renormalize)
   w_RxV = jnp.exp(logq if direction == 'forward' else logp)
@@ -184,7 +233,7 @@ def _detached_kl_fwd(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, dir
   return kl_BxT, (t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, s_lse_R, kl_R, mass_R)
 
 
-def _detached_kl_bwd(shift, direction, renormalize, res, g_BxT):
+def detached_kl_bwd(shift, direction, renormalize, res, g_BxT):
   t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, s_lse_R, kl_R, mass_R = res
   sel_RxV, logq, logp, _ = _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift,
                                     renormalize, s_lse_R)
@@ -199,7 +248,7 @@ def _detached_kl_bwd(shift, direction, renormalize, res, g_BxT):
   return zero(t_BxTxV), ds_RxV.reshape(s_BxTxV.shape), zero(thr_BxT), zero(s_thr_BxT), zero(t_lse_BxT)
 
 
-_detached_kl.defvjp(_detached_kl_fwd, _detached_kl_bwd)
+_detached_kl.defvjp(detached_kl_fwd, detached_kl_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +269,7 @@ def kl_divergence(teacher_BxTxV, student_BxTxV, idx_BxTxN=None, valid_BxTxN=None
   t_BxTxV = teacher_BxTxV.astype(jnp.float32) / tau
   s_BxTxV = student_BxTxV.astype(jnp.float32) / tau
   if threshold_BxT is not None:
-    sel_BxTxV = _selection(teacher_BxTxV, threshold_BxT, student_BxTxV, student_threshold_BxT)
+    sel_BxTxV = selection_mask(teacher_BxTxV, threshold_BxT, student_BxTxV, student_threshold_BxT)
     return _masked_kl(t_BxTxV, s_BxTxV, sel_BxTxV, direction=direction, renormalize=renormalize)
   if idx_BxTxN is None:
     logq, logp = jax.nn.log_softmax(t_BxTxV, -1), jax.nn.log_softmax(s_BxTxV, -1)
@@ -263,8 +312,7 @@ def _threshold_kls(logits_BxTxV, mtp_logits_KxBxTxV, heads, *, top_n, top_n_mode
     main_thr_BxT = top_n_threshold(main_t_BxTxV, top_n)
     main_lse_BxT = None
     if top_n_mode == 'teacher':
-      main_sel_BxTxV = _selection(main_t_BxTxV, main_thr_BxT)
-      main_lse_BxT = _lse(main_t_BxTxV + (main_sel_BxTxV - 1.0) * _OFF if renormalize else main_t_BxTxV)
+      main_lse_BxT = teacher_log_normalizer(main_t_BxTxV, main_thr_BxT, renormalize)
   kls = []
   for k, student_BxTxV in enumerate(heads, start=1):
     s_BxTxV = student_BxTxV.astype(jnp.float32) / tau
@@ -280,46 +328,31 @@ def _threshold_kls(logits_BxTxV, mtp_logits_KxBxTxV, heads, *, top_n, top_n_mode
     else:
       t_BxTxV, thr_BxT = shift_left(t_BxTxV, shift), shift_left(thr_BxT, shift, fill=-jnp.inf)
       lse_BxT = jax.tree.map(lambda x: shift_left(x, shift), lse_BxT)
-      kls.append(_masked_kl(t_BxTxV, s_BxTxV, _selection(t_BxTxV, thr_BxT, s_BxTxV, s_thr_BxT),
+      kls.append(_masked_kl(t_BxTxV, s_BxTxV, selection_mask(t_BxTxV, thr_BxT, s_BxTxV, s_thr_BxT),
                             direction=kl, renormalize=renormalize, t_lse_BxT=lse_BxT))
   return kls
 
 
 def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, target_segment_ids_BxT,
-               *, ce_weight: float = 0.3, beta=(1.0,), distill: bool = True, top_n: int | None = None,
-               top_n_mode: str = 'teacher', renormalize: bool = True, kl: str = 'forward',
-               tau: float = 1.0, detach: bool = True, teacher: str = 'main', beta_scale=1.0,
-               selection: str = 'threshold'):
-  """The MTP-D training loss and its per-head metrics.
+               cfg: LossConfig = LossConfig(), *, beta_scale=1.0):
+  """The MTP-D training loss and its per-head metrics: the readable statement of the total loss.
 
   Args:
     logits_BxTxV: main-head logits; position i predicts targets[i].
     mtp_logits_KxBxTxV: head k (index k-1) at position i predicts targets[i+k].
     targets_BxT: inputs shifted left by one (token i+1 at position i).
     segment_ids_BxT, target_segment_ids_BxT: document ids of inputs and targets; 0 = padding.
-    ce_weight: λ; each head's CE weight is α_k = λ/K.
-    beta: β_k, one value per head. beta_scale multiplies all of them (KL warm-up).
-    distill: False gives the plain "MTP" baseline (CE only, no KL computed).
-    top_n: N, or None for the whole vocabulary. top_n_mode, renormalize, kl, tau, detach,
-      teacher: the paper's ablation knobs (Tables 2 and 6), see `top_n_indices`, `kl_divergence`, `ensemble_teacher`.
-    selection: how Top-N is found: 'threshold' (`top_n_threshold`, a mask; ties at the N-th
-      value are all selected) or 'top_k' (`lax.top_k` indices, gathered).
+    cfg: the loss's settings (`LossConfig`).
+    beta_scale: multiplies every β_k (the KL warm-up).
   Returns:
     (loss, metrics) with metrics keyed `loss`, `xent`, `mtp/k{k}/xent`, `distill/k{k}/kl`,
     `mtp/k{k}/agree` (teacher-forced: the main head's argmax at i+k is an argmax of head k at i;
     one argmax per row instead of K+1, which cost 5% of a vocab-32k step).
   """
   num_heads = mtp_logits_KxBxTxV.shape[0]
-  if len(beta) != num_heads:
-    raise ValueError(f'beta has {len(beta)} values for {num_heads} MTP heads')
-  if teacher not in TEACHERS:
-    raise ValueError(f'unknown teacher {teacher!r}; expected one of {TEACHERS}')
-  if top_n_mode not in TOP_N_MODES:
-    raise ValueError(f'unknown top_n_mode {top_n_mode!r}; expected one of {TOP_N_MODES}')
-  if selection not in SELECTIONS:
-    raise ValueError(f'unknown selection {selection!r}; expected one of {SELECTIONS}')
-  if kl not in KL_DIRECTIONS:
-    raise ValueError(f'unknown KL direction {kl!r}; expected one of {KL_DIRECTIONS}')
+  cfg.check_heads(num_heads)
+  ce_weight, beta, distill, top_n, detach, teacher, kl = (cfg.ce_weight, cfg.beta, cfg.distill, cfg.top_n,
+                                                          cfg.detach, cfg.teacher, cfg.kl)
   logits_BxTxV, mtp_logits_KxBxTxV = materialize_grad((logits_BxTxV, mtp_logits_KxBxTxV))
   # Split, not index: the cotangents of the heads are then concatenated, where indexing would
   # add K zero-padded [K, B, T, V] arrays, which XLA:CPU re-reads K times (3x slower step).
@@ -332,11 +365,11 @@ def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, t
   main_argmax_BxT = jnp.argmax(logits_BxTxV, axis=-1)
   # The main-head Top-N of each row is shared by every head (head k reads it shifted by k).
   shared_idx, threshold_kls = None, None
-  if distill and top_n is not None and selection == 'threshold':
+  if distill and top_n is not None and cfg.selection == 'threshold':
     threshold_kls = _threshold_kls(logits_BxTxV, mtp_logits_KxBxTxV, heads, top_n=top_n,
-                                   top_n_mode=top_n_mode, kl=kl, renormalize=renormalize, tau=tau,
+                                   top_n_mode=cfg.top_n_mode, kl=kl, renormalize=cfg.renormalize, tau=cfg.tau,
                                    detach=detach, teacher=teacher)
-  elif distill and top_n is not None and teacher == 'main' and top_n_mode == 'teacher':
+  elif distill and top_n is not None and teacher == 'main' and cfg.top_n_mode == 'teacher':
     shared_idx = top_n_indices(teacher_logits_BxTxV, None, top_n, 'teacher')
   for k in range(1, num_heads + 1):
     student_BxTxV = heads[k - 1]
@@ -363,9 +396,9 @@ def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, t
       elif shared_idx is not None:
         idx, valid = shift_left(shared_idx[0], k), shift_left(shared_idx[1], k)
       else:
-        idx, valid = top_n_indices(t_BxTxV, student_BxTxV, top_n, top_n_mode)
+        idx, valid = top_n_indices(t_BxTxV, student_BxTxV, top_n, cfg.top_n_mode)
       kl_BxT = kl_divergence(t_BxTxV, student_BxTxV, idx, valid, direction=kl,
-                             renormalize=renormalize, tau=tau)
+                             renormalize=cfg.renormalize, tau=cfg.tau)
     kl_k = masked_mean(kl_BxT, mask_BxT)
     loss += beta_scale * beta[k - 1] * kl_k
     metrics[f'distill/k{k}/kl'] = kl_k

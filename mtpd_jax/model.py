@@ -14,13 +14,14 @@ Experts (moe.py); `__call__` applies its capacity limit, `trunk` and `mtp_head` 
 """
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from mtpd_jax.moe import MoE, MoEConfig, summarize
+from mtpd_jax.shifts import shift_left
 
 # One attention layer's {'k': BxGxSxE, 'v': BxGxSxE}: kv heads before slots, the layout both attention
 # dots read directly, so a decoding step transposes no cache (docs/design.md, decoding cost).
@@ -240,14 +241,6 @@ class ModelOutput(NamedTuple):
   mtp_logits_KxBxTxV: jax.Array       # head k at i predicts token i+k+1; the last k positions are padding
   hidden_K1xBxTxD: jax.Array          # h^0 (trunk, before the final norm) and h^1..h^K
   aux: dict | None = None             # MoE: moe.summarize's loss, metrics and router-bias steps
-
-
-def shift_left(x_BxT, k: int, fill: Any = 0):
-  """x[:, i + k] at position i; the last k positions get `fill`."""
-  if k == 0:
-    return x_BxT
-  pad = jnp.full((x_BxT.shape[0], k) + x_BxT.shape[2:], fill, x_BxT.dtype)
-  return jnp.concatenate([x_BxT[:, k:], pad], axis=1)
 
 
 def _positions_and_mask(tokens_BxT, segment_ids_BxT):

@@ -1,5 +1,5 @@
 """Host-side pieces of the training loop: the metrics log, the progress bar, preemption signals,
-and the workdir checks that keep a resumed run from mixing with another model's checkpoints."""
+and atomic file writes."""
 
 import json
 import logging
@@ -11,21 +11,6 @@ import threading
 from typing import Any
 
 import jax
-import numpy as np
-
-# Config fields that change the shape of the saved state: a workdir's checkpoints are only
-# restorable by a config that agrees on all of them.
-STATE_SHAPING_FIELDS = ('model', 'mtp.num_heads', 'train.trainable')
-
-# The only fields (or groups) that may differ when a run resumes: how long it runs (the learning
-# rate schedule follows the new train.steps from the resumed step on), what it logs, when it
-# checkpoints, how it is evaluated and laid out on devices, and how a sweep or looped run
-# generates this run's config (its effect shows in the run's own fields). Any other difference
-# changes the model, the loss or the data order, and a resume is refused.
-MAY_CHANGE_ON_RESUME = ('train.steps', 'train.log_every', 'train.eval_every', 'train.eval_batches',
-                        'train.on_nan', 'train.resume', 'train.loss_chunk_rows', 'eval', 'ckpt', 'mesh',
-                        'data.cache_dir', 'train.trunk_cache_dir', 'seeds', 'base', 'looped')
-
 
 class Preempted(Exception):
   """Training stopped on a signal after checkpointing `step`; rerunning the command resumes.
@@ -160,57 +145,6 @@ def progress_bar(enabled: bool, start: int, total: int, desc: str = 'train'):
   import tqdm  # the terminal bar only; metrics.jsonl is the record
   return tqdm.tqdm(initial=start, total=total, disable=not enabled or jax.process_index() != 0,
                    dynamic_ncols=True, desc=desc)
-
-
-def _get(tree: dict, dotted: str):
-  for key in dotted.split('.'):
-    tree = tree.get(key) if isinstance(tree, dict) else None
-  return tree
-
-
-def with_defaults(saved: dict, defaults: dict) -> dict:
-  """`saved` with every key it lacks taken from `defaults`, recursively (configs of older versions)."""
-  out = dict(defaults)
-  for k, v in saved.items():
-    out[k] = with_defaults(v, defaults[k]) if isinstance(v, dict) and isinstance(defaults.get(k), dict) else v
-  return out
-
-
-def _flatten(x, prefix: str) -> dict:
-  if not isinstance(x, dict):
-    return {prefix: x}
-  return {k: v for key, value in x.items() for k, v in _flatten(value, f'{prefix}.{key}').items()}
-
-
-def state_mismatch(saved: dict, current: dict) -> list[str]:
-  """'field: saved -> current' for every state-shaping field on which two configs differ."""
-  diffs = []
-  for field in STATE_SHAPING_FIELDS:
-    a, b = _flatten(_get(saved, field), field), _flatten(_get(current, field), field)
-    diffs += [f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in sorted(set(a) | set(b))
-              if json.dumps(a.get(k)) != json.dumps(b.get(k))]
-  return diffs
-
-
-def _inactive(flat: dict, key: str) -> bool:
-  """Fields that do nothing in this config: the MTP/distillation knobs of a plain LM (K = 0) or of
-  an MTP run without distillation."""
-  no_heads = not flat.get('mtp.num_heads')
-  if key.startswith('mtp.') and key != 'mtp.num_heads':
-    return no_heads
-  if key.startswith('distill.') and key != 'distill.enabled':
-    return no_heads or not flat.get('distill.enabled')
-  return False
-
-
-def resume_mismatch(saved: dict, current: dict) -> list[str]:
-  """'field: saved -> current' for every field that differs and must not change on resume."""
-  a, b = _flatten(saved, ''), _flatten(current, '')
-  a, b = ({k[1:]: v for k, v in x.items()} for x in (a, b))
-  may = lambda k: any(k == f or k.startswith(f + '.') for f in MAY_CHANGE_ON_RESUME)
-  return [f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in sorted(set(a) | set(b))
-          if json.dumps(a.get(k)) != json.dumps(b.get(k)) and not may(k)
-          and not (_inactive(a, k) and _inactive(b, k))]
 
 
 def write_atomically(path: str, text: str) -> None:

@@ -1,25 +1,29 @@
-"""TrainState, the jitted train and eval steps, and the training loop.
+"""The core of training: TrainState, the jitted train and eval steps, and the training loop.
+
+Nothing here reads a config: the harness (mtpd_jax/harness/training.py) translates one, once, into
+the frozen dataclasses below (`TrainSpec`, `StepConfig`, `LoopConfig`, the model's `ModelConfig`
+and the loss's `losses.LossConfig`) and calls `fit`.
 
 The loop dispatches step t, then pulls step t-1's metrics to the host, so the host never waits on
 the device except at logging, checkpointing and evaluation points.
 """
 
+import dataclasses
 import functools
-import json
 import os
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import flax
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mtpd_jax import (checkpoint, fused_loss, gguf_llama, losses, moe, recipe, runtime, sharding,
-                      trunk_cache, workdir_lock)
-from mtpd_jax.model import MTPTransformer
+from mtpd_jax import checkpoint, fused_loss, losses, moe, runtime, sharding, workdir_lock
+from mtpd_jax.model import ModelConfig, MTPTransformer
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -30,76 +34,36 @@ class TrainState(flax.struct.PyTreeNode):
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
 
 
+def trainable_labels(params: nnx.State, trainable) -> Any:
+  """'train' or 'frozen' for every parameter; `trainable` is 'all', 'mtp_heads' or 1-based head ids."""
+  if trainable == 'all':
+    return jax.tree.map(lambda _: 'train', params)
+  if trainable == 'mtp_heads':
+    heads = None
+  elif isinstance(trainable, (list, tuple)) and all(isinstance(k, int) for k in trainable):
+    heads = {k - 1 for k in trainable}
+  else:
+    raise ValueError(f"train.trainable={trainable!r}: expected 'all', 'mtp_heads' or a list of head indices")
+
+  def label(path, _):
+    keys = [getattr(p, 'key', None) for p in path]
+    is_head = keys[0] == 'mtp_heads' and (heads is None or keys[1] in heads)
+    return 'train' if is_head else 'frozen'
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
 # State creation (abstract first, then a sharded jit init)
 
 
-def init_train_state(config: ml_collections.ConfigDict, abstract: TrainState,
-                     shardings: TrainState) -> TrainState:
-  """A freshly initialised TrainState, each array created directly in its sharding."""
-  mcfg = recipe.model_config(config)
+def abstract_train_state(model_cfg: ModelConfig, optimizer: Callable[[Any], optax.GradientTransformation],
+                         trainable, mesh) -> tuple[TrainState, TrainState]:
+  """TrainState of ShapeDtypeStructs (carrying shardings) and the tree of NamedShardings.
 
-  def init():
-    _, params = nnx.split(MTPTransformer(mcfg, rngs=nnx.Rngs(config.seed)), nnx.Param)
-    return params, abstract.tx.init(params)
-  params, opt_state = jax.jit(init, out_shardings=(shardings.params, shardings.opt_state))()
-  step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
-  return abstract.replace(step=step, params=params, opt_state=opt_state)
-
-
-def transplant(params: nnx.State, source: nnx.State, *, loop_heads: bool) -> nnx.State:
-  """`params` with every parameter that `source` has at the same path taken from it.
-
-  MTP heads that `source` lacks keep their fresh initialisation, or with `loop_heads` become
-  copies of source head ((j-1) mod m)+1: the looped extension's block copy (Fig. 2).
+  `optimizer` maps the parameters' trainable labels to the optimizer (frozen ones get none).
   """
-  src = dict(jax.tree_util.tree_leaves_with_path(source))
-  num_src_heads = len(source['mtp_heads']) if 'mtp_heads' in source else 0
-
-  def one(path, leaf):
-    keys = [getattr(p, 'key', None) for p in path]
-    if path not in src and keys[0] == 'mtp_heads' and loop_heads and num_src_heads:
-      path = (path[0], jax.tree_util.DictKey(keys[1] % num_src_heads)) + path[2:]
-    if path not in src:
-      if keys[0] != 'mtp_heads':
-        raise ValueError(f'init_from lacks parameter {jax.tree_util.keystr(path)}')
-      return leaf
-    if src[path].shape != leaf.shape:
-      raise ValueError(f'init_from parameter {jax.tree_util.keystr(path)} has shape {src[path].shape}, '
-                       f'this model {leaf.shape}')
-    return src[path]
-  return jax.tree_util.tree_map_with_path(one, params)
-
-
-def warm_start(config: ml_collections.ConfigDict, abstract: TrainState, shardings: TrainState,
-               mesh) -> TrainState:
-  """A fresh state whose parameters come from `train.init_from`, with fresh optimizer moments.
-
-  `init_from` is a training workdir or a llama GGUF checkpoint (a .gguf path or 'smollm2').
-  Parameters it lacks (new MTP heads) get the fresh initialisation, which is not even built when
-  it has them all (a looped stage copies every new head).
-  """
-  if gguf_llama.is_gguf(config.train.init_from):
-    params = gguf_llama.init_params(abstract.graphdef, init_train_state(config, abstract, shardings).params,
-                                    config.train.init_from, trunk_heads=config.train.init_heads == 'trunk')
-  else:
-    source, _ = restore_model(config.train.init_from, mesh)
-    params = transplant(abstract.params, nnx.state(source, nnx.Param),
-                        loop_heads=config.train.init_heads == 'loop')
-    missing = lambda x: isinstance(x, jax.ShapeDtypeStruct)
-    if any(missing(x) for x in jax.tree.leaves(params)):
-      fresh = init_train_state(config, abstract, shardings).params
-      params = jax.tree.map(lambda p, f: f if missing(p) else p, params, fresh)
-  # A fresh buffer per parameter, in its sharding: looped heads must not alias one donated buffer.
-  params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings.params)(params)
-  return abstract.replace(step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step), params=params,
-                          opt_state=jax.jit(abstract.tx.init, out_shardings=shardings.opt_state)(params))
-
-
-def abstract_train_state(config: ml_collections.ConfigDict, mesh) -> tuple[TrainState, TrainState]:
-  """TrainState of ShapeDtypeStructs (carrying shardings) and the tree of NamedShardings."""
-  model = nnx.eval_shape(lambda: MTPTransformer(recipe.model_config(config), rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: MTPTransformer(model_cfg, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(model, nnx.Param)
-  tx = recipe.make_optimizer(config, recipe.trainable_labels(abstract_params, config.train.trainable))
+  tx = optimizer(trainable_labels(abstract_params, trainable))
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   replicated = NamedSharding(mesh, P())
   param_sh = sharding.param_shardings(abstract_params, mesh)
@@ -111,8 +75,50 @@ def abstract_train_state(config: ml_collections.ConfigDict, mesh) -> tuple[Train
   return abstract, shardings
 
 
+def init_train_state(model_cfg: ModelConfig, seed: int, abstract: TrainState, shardings: TrainState) -> TrainState:
+  """A freshly initialised TrainState, each array created directly in its sharding."""
+
+  def init():
+    _, params = nnx.split(MTPTransformer(model_cfg, rngs=nnx.Rngs(seed)), nnx.Param)
+    return params, abstract.tx.init(params)
+  params, opt_state = jax.jit(init, out_shardings=(shardings.params, shardings.opt_state))()
+  step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+  return abstract.replace(step=step, params=params, opt_state=opt_state)
+
+
+def state_from_params(params: nnx.State, abstract: TrainState, shardings: TrainState) -> TrainState:
+  """Step 0 with these parameters (copied, in their shardings) and fresh optimizer moments."""
+  # A fresh buffer per parameter: looped heads copied from one source must not alias one donated buffer.
+  params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings.params)(params)
+  return abstract.replace(step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step), params=params,
+                          opt_state=jax.jit(abstract.tx.init, out_shardings=shardings.opt_state)(params))
+
+
 # ---------------------------------------------------------------------------------------------
 # Steps
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """What the train and eval steps compute besides the parameter update.
+
+  loss_chunk_rows > 0 computes the loss from hidden states in row chunks (fused_loss), which
+  must implement `loss` (`fused_loss.supports`); 0 computes it on full logits (losses.mtp_d_loss).
+  kl_warmup_steps ramps every β_k linearly from 0; skip_nonfinite keeps the old parameters and
+  moments where a step's loss or gradient is not finite.
+  """
+  loss: losses.LossConfig = losses.LossConfig()
+  isolate_trunk: bool = False
+  kl_warmup_steps: int = 0
+  loss_chunk_rows: int = 0
+  skip_nonfinite: bool = False
+
+  def __post_init__(self):
+    if self.loss_chunk_rows and not fused_loss.supports(self.loss):
+      raise ValueError(f'train.loss_chunk_rows={self.loss_chunk_rows}: the fused loss supports teacher=main, '
+                       f'detach=True and selection=threshold (got teacher={self.loss.teacher!r}, '
+                       f'detach={self.loss.detach}, selection={self.loss.selection!r}); set '
+                       'train.loss_chunk_rows=0 for the loss on full logits')
 
 
 def fused_grad_flags(labels) -> dict[str, bool]:
@@ -126,37 +132,36 @@ def fused_grad_flags(labels) -> dict[str, bool]:
   return dict(w_grad=top.get('unembed', top.get('embed', True)), main_grad=any(below_main))
 
 
-def _forward_loss(params, graphdef, batch, *, loss_kw, isolate_trunk, beta_scale, loss_chunk_rows=0,
-                  router_bias_delta=False, grad_flags=None):
+def forward_loss(params, graphdef, batch, cfg: StepConfig, *, beta_scale, router_bias_delta=False,
+                 grad_flags=None):
+  """(loss, metrics) of one batch; MoE adds its router terms."""
   model = nnx.merge(graphdef, params)
-  out = model(batch['inputs'], batch['segment_ids'], isolate_trunk=isolate_trunk,
+  out = model(batch['inputs'], batch['segment_ids'], isolate_trunk=cfg.isolate_trunk,
               trunk_hidden_BxTxD=batch.get('trunk_hidden'))  # a frozen trunk's cached states
   labels = (batch['targets'], batch['segment_ids'], batch['target_segment_ids'])
-  if loss_chunk_rows and fused_loss.supported(**loss_kw):
+  if cfg.loss_chunk_rows:
     # The loss reads the final-normed hidden states and the unembedding in row chunks; the model's
     # logits go unused and XLA drops them, so no [K+1, B, T, V] array is materialised.
     w_DxV = model.embed[...].T if model.cfg.tie_embeddings else model.unembed[...]
-    loss, metrics = fused_loss.mtp_d_loss_fused(model.final_norm(out.hidden_K1xBxTxD), w_DxV, *labels,
-                                                beta_scale=beta_scale, chunk_rows=loss_chunk_rows, **loss_kw,
+    loss, metrics = fused_loss.mtp_d_loss_fused(model.final_norm(out.hidden_K1xBxTxD), w_DxV, *labels, cfg.loss,
+                                                beta_scale=beta_scale, chunk_rows=cfg.loss_chunk_rows,
                                                 **(grad_flags or {}))
   else:
-    loss, metrics = losses.mtp_d_loss(out.logits_BxTxV, out.mtp_logits_KxBxTxV, *labels,
-                                      beta_scale=beta_scale, **loss_kw)
+    loss, metrics = losses.mtp_d_loss(out.logits_BxTxV, out.mtp_logits_KxBxTxV, *labels, cfg.loss,
+                                      beta_scale=beta_scale)
   # MoE: + the router's balancing loss; moe/* load metrics (and, for train_step, the bias steps).
   return moe.add_router_terms(loss, metrics, out.aux, with_bias_delta=router_bias_delta)
 
 
-def train_step(state: TrainState, batch, *, loss_kw, isolate_trunk, kl_warmup_steps, labels,
-               schedule, skip_nonfinite, loss_chunk_rows=0):
+def train_step(state: TrainState, batch, *, cfg: StepConfig, labels, schedule: optax.Schedule):
   """One optimizer step; metrics come back unprefixed (`loss`, `mtp/k1/xent`, ...)."""
-  beta_scale = (jnp.minimum(1.0, state.step / kl_warmup_steps) if kl_warmup_steps else 1.0)
+  beta_scale = (jnp.minimum(1.0, state.step / cfg.kl_warmup_steps) if cfg.kl_warmup_steps else 1.0)
 
   def loss_fn(params):
     # Frozen parameters get no gradient at all, so XLA drops their backward pass.
     params = jax.tree.map(lambda p, l: p if l == 'train' else jax.lax.stop_gradient(p), params, labels)
-    return _forward_loss(params, state.graphdef, batch, loss_kw=loss_kw, isolate_trunk=isolate_trunk,
-                         beta_scale=beta_scale, loss_chunk_rows=loss_chunk_rows, router_bias_delta=True,
-                         grad_flags=fused_grad_flags(labels))
+    return forward_loss(params, state.graphdef, batch, cfg, beta_scale=beta_scale, router_bias_delta=True,
+                        grad_flags=fused_grad_flags(labels))
   (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   bias_delta = metrics.pop('moe/router_bias_delta', None)
   updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
@@ -167,30 +172,24 @@ def train_step(state: TrainState, batch, *, loss_kw, isolate_trunk, kl_warmup_st
   metrics['lr'] = schedule(state.step)
   finite = jnp.isfinite(metrics['loss']) & jnp.isfinite(metrics['grad_norm'])
   metrics['finite'] = finite
-  if skip_nonfinite:  # keep the old params and moments; the step counter still advances
+  if cfg.skip_nonfinite:  # keep the old params and moments; the step counter still advances
     params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                      (params, opt_state), (state.params, state.opt_state))
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def eval_step(state: TrainState, batch, *, loss_kw, isolate_trunk):
-  _, metrics = _forward_loss(state.params, state.graphdef, batch, loss_kw=loss_kw,
-                             isolate_trunk=isolate_trunk, beta_scale=1.0)
+def eval_step(state: TrainState, batch, *, cfg: StepConfig):
+  _, metrics = forward_loss(state.params, state.graphdef, batch, cfg, beta_scale=1.0)
   return metrics
 
 
-def make_steps(config: ml_collections.ConfigDict, mesh, shardings: TrainState):
+def make_steps(cfg: StepConfig, schedule: optax.Schedule, trainable, mesh, shardings: TrainState):
   """The one jitted train step (sharded, donating the state) and the jitted eval step."""
-  labels = recipe.trainable_labels(shardings.params, config.train.trainable)
-  kw = dict(loss_kw=recipe.loss_kwargs(config), isolate_trunk=config.mtp.isolate_trunk)
+  labels = trainable_labels(shardings.params, trainable)
   batch_sh = NamedSharding(mesh, sharding.batch_spec(mesh))
-  step_fn = jax.jit(functools.partial(train_step, **kw, labels=labels, schedule=recipe.learning_rate(config),
-                                      kl_warmup_steps=config.distill.warmup_steps,
-                                      skip_nonfinite=config.train.on_nan == 'skip',
-                                      loss_chunk_rows=config.train.loss_chunk_rows),
-                    in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
-                    donate_argnums=0)
-  eval_fn = jax.jit(functools.partial(eval_step, **kw), in_shardings=(shardings, batch_sh))
+  step_fn = jax.jit(functools.partial(train_step, cfg=cfg, labels=labels, schedule=schedule),
+                    in_shardings=(shardings, batch_sh), out_shardings=(shardings, None), donate_argnums=0)
+  eval_fn = jax.jit(functools.partial(eval_step, cfg=cfg), in_shardings=(shardings, batch_sh))
   return step_fn, eval_fn
 
 
@@ -198,111 +197,123 @@ def make_steps(config: ml_collections.ConfigDict, mesh, shardings: TrainState):
 # The loop
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """How long the loop runs, and when it logs, evaluates and checkpoints."""
+  steps: int
+  log_every: int = 50
+  eval_every: int = 0         # 0: only at the end
+  eval_batches: int = 1
+  ckpt_every: int = 0         # 0: only at the end (and on preemption)
+  max_to_keep: int = 1
+  tokens_per_step: int = 0    # for the logged tokens_per_s
+  raise_on_nan: bool = True   # else a non-finite step is logged (and skipped: StepConfig.skip_nonfinite)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+  """Everything `fit` reads, built once from a config by the harness.
+
+  `batches(split)`: host batches of 'train' (checkpointable) or 'eval' (the same batches on every
+  call). `warm_start(abstract, shardings)`: a step-0 state when the workdir holds no checkpoint
+  (None: a fresh initialisation from `seed`). `prepare(state)`: runs once the state is known,
+  before the first step (the trunk-state cache builds there). `check_workdir(workdir)`: refuses
+  checkpoints this run must not touch. `config_json`: the workdir's config.json, the record of
+  what the run is.
+  """
+  model: ModelConfig
+  seed: int
+  trainable: Any
+  optimizer: Callable[[Any], optax.GradientTransformation]
+  schedule: optax.Schedule
+  step: StepConfig
+  loop: LoopConfig
+  mesh: Mesh
+  batches: Callable[[str], Iterator[dict]]
+  config_json: str
+  check_workdir: Callable[[str], None] = lambda workdir: None
+  warm_start: Callable[[TrainState, TrainState], TrainState] | None = None
+  prepare: Callable[[TrainState], None] | None = None
+
+  def abstract_state(self) -> tuple[TrainState, TrainState]:
+    return abstract_train_state(self.model, self.optimizer, self.trainable, self.mesh)
+
+
 def _to_host(metrics) -> dict[str, float]:
   return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
-def evaluate_loss(config, state, eval_fn, mesh, cache=None) -> dict[str, float]:
-  """Mean metrics over `train.eval_batches` held-out batches (the same batches every time)."""
-  it = recipe.make_data_iterator(config, 'eval', cache)
+def evaluate_loss(state: TrainState, eval_fn, batches: Iterator[dict], num_batches: int, mesh) -> dict[str, float]:
+  """Mean metrics over `num_batches` held-out batches."""
   sums: dict[str, float] = {}
-  for _ in range(config.train.eval_batches):
-    m = _to_host(eval_fn(state, sharding.put_batch(next(it), mesh)))
+  for _ in range(num_batches):
+    m = _to_host(eval_fn(state, sharding.put_batch(next(batches), mesh)))
     sums = {k: sums.get(k, 0.0) + v for k, v in m.items()}
-  return {f'eval/{k}': v / config.train.eval_batches for k, v in sums.items()}
+  return {f'eval/{k}': v / num_batches for k, v in sums.items()}
 
 
-def check_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Refuse a workdir whose checkpoints this config must not touch: another model, a resume that
-  would change the loss or the data order (runtime.MAY_CHANGE_ON_RESUME lists what may change),
-  checkpoints without the config.json that says what they are, or any reuse under resume=never."""
-  ckpt_dir = os.path.join(workdir, 'checkpoints')
-  if not (os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))):
-    return
-  if config.train.resume == 'never':
-    raise ValueError(f'train.resume=never, but {workdir} already holds checkpoints; choose a fresh --workdir')
-  if not os.path.exists(os.path.join(workdir, 'config.json')):
-    raise ValueError(f'{workdir} holds checkpoints but no config.json, so nothing says which model they '
-                     'belong to; put its config.json back or use another --workdir')
-  saved, current = saved_config(workdir).to_dict(), json.loads(config.to_json())
-  diffs = runtime.state_mismatch(saved, current)
-  if diffs:
-    raise ValueError(f'{workdir} holds checkpoints of another model ({"; ".join(diffs)}); use another --workdir')
-  diffs = runtime.resume_mismatch(saved, current)
-  if diffs:
-    raise ValueError(f'{workdir} holds a run with other settings ({"; ".join(diffs)}); resume it with its own '
-                     'settings (only logging, evaluation, checkpoint, mesh and train.steps may change) '
-                     'or use another --workdir')
-
-
-def _resume_or_init(config, workdir, ckpt, abstract, shardings, mesh, train_it):
+def _resume_or_init(spec: TrainSpec, workdir, ckpt, abstract, shardings, train_it):
   """(state, step): the newest readable checkpoint of `workdir`, else a fresh (or warm) start."""
-  check_workdir(config, workdir)
+  spec.check_workdir(workdir)
   if ckpt.all_steps():
     step, state = ckpt.restore_latest_good(abstract, train_it)
     if step is not None:
       return state, step
-  if config.train.init_from:
-    return warm_start(config, abstract, shardings, mesh), 0
-  return init_train_state(config, abstract, shardings), 0
+  if spec.warm_start:
+    return spec.warm_start(abstract, shardings), 0
+  return init_train_state(spec.model, spec.seed, abstract, shardings), 0
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True):
+def fit(spec: TrainSpec, workdir: str, *, progress: bool = True):
   """Train (resuming from the newest checkpoint in `workdir`), checkpoint, evaluate.
 
   Returns (state, held-out metrics). SIGTERM/SIGINT checkpoint after the current step and raise
-  runtime.Preempted; a non-finite step raises FloatingPointError (or is skipped: train.on_nan).
+  runtime.Preempted; a non-finite step raises FloatingPointError (or is logged and skipped).
   """
-  recipe.validate_config(config)
-  checkpoint.check_options(config.ckpt.every_steps, config.ckpt.max_to_keep)
-  mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
-  if config.data.batch_size % sharding.data_parallel_size(mesh):
-    raise ValueError(f'data.batch_size={config.data.batch_size} is not divisible by the '
-                     f'{sharding.data_parallel_size(mesh)}-way data-parallel mesh axes')
+  loop, mesh = spec.loop, spec.mesh
+  checkpoint.check_options(loop.ckpt_every, loop.max_to_keep)
   with workdir_lock.hold(workdir), jax.set_mesh(mesh), runtime.PreemptionGuard() as guard:
-    abstract, shardings = abstract_train_state(config, mesh)
-    step_fn, eval_fn = make_steps(config, mesh, shardings)
-    cache = recipe.make_trunk_cache(config)
-    train_it = recipe.make_data_iterator(config, 'train', cache)
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'),
-                                   every_steps=config.ckpt.every_steps, max_to_keep=config.ckpt.max_to_keep)
+    abstract, shardings = spec.abstract_state()
+    step_fn, eval_fn = make_steps(spec.step, spec.schedule, spec.trainable, mesh, shardings)
+    train_it = spec.batches('train')
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=loop.ckpt_every,
+                                   max_to_keep=loop.max_to_keep)
     ckpt.check_free_space(abstract)
-    state, start = _resume_or_init(config, workdir, ckpt, abstract, shardings, mesh, train_it)
-    if cache:  # the frozen trunk's states, built once for every run on this trunk and data
-      cache.build(state.graphdef, state.params, {s: recipe.make_source(config, s) for s in trunk_cache.SPLITS},
-                  progress=progress)
+    state, start = _resume_or_init(spec, workdir, ckpt, abstract, shardings, train_it)
+    if spec.prepare:
+      spec.prepare(state)
     log = runtime.MetricsLog(os.path.join(workdir, 'metrics.jsonl'), start)  # may refuse: before config.json
     if jax.process_index() == 0:
-      runtime.write_atomically(os.path.join(workdir, 'config.json'), config.to_json(indent=2))
-    tokens_per_step = config.data.batch_size * config.data.seq_len
-    bar = runtime.progress_bar(progress, start, config.train.steps)
+      runtime.write_atomically(os.path.join(workdir, 'config.json'), spec.config_json)
+    held_out = lambda s: evaluate_loss(s, eval_fn, spec.batches('eval'), loop.eval_batches, mesh)
+    bar = runtime.progress_bar(progress, start, loop.steps)
     pending, last_log = None, (start, time.perf_counter())
 
     def flush(step, metrics):  # host side of step `step` (1-based count of completed steps)
       nonlocal last_log
       m = _to_host(metrics)
       if not m.pop('finite'):
-        if config.train.on_nan != 'skip':
+        if loop.raise_on_nan:
           good = [s for s in ckpt.all_steps() if s < step]
           raise FloatingPointError(f'non-finite loss or gradient at step {step}; last good checkpoint: '
                                    f'{good[-1] if good else None} (train.on_nan=skip drops such steps)')
         log.write({'step': step, 'train/skipped_nonfinite': 1})
-      if step % config.train.log_every == 0 or step == config.train.steps:
+      if step % loop.log_every == 0 or step == loop.steps:
         now = time.perf_counter()
-        m['tokens_per_s'] = tokens_per_step * (step - last_log[0]) / max(now - last_log[1], 1e-9)
+        m['tokens_per_s'] = loop.tokens_per_step * (step - last_log[0]) / max(now - last_log[1], 1e-9)
         last_log = (step, now)
         log.write({'step': step, **{f'train/{k}': v for k, v in m.items()}})
         bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
       bar.update(1)
 
-    batch = sharding.put_batch(next(train_it), mesh) if start < config.train.steps else None
+    batch = sharding.put_batch(next(train_it), mesh) if start < loop.steps else None
     if batch is not None and jax.process_count() > 1:
       # Each process restores and compiles on its own; under load one can lag the other by more
       # than the 30 s within which gloo must set up a device group at a program's first run.
       # Compile first, then meet at a coordination-service barrier, which has no such deadline.
       step_fn = step_fn.lower(state, batch).compile()
       runtime.sync_processes('compiled')
-    for step in range(start + 1, config.train.steps + 1):
+    for step in range(start + 1, loop.steps + 1):
       batch = batch if batch is not None else sharding.put_batch(next(train_it), mesh)
       state, metrics = step_fn(state, batch)
       batch = None
@@ -311,7 +322,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
       pending = (step, metrics)
       guard.step = step  # the multi-process sync point compares step numbers
       stop = guard.requested()
-      if (ckpt.should_save(step) or stop) and step != config.train.steps:
+      if (ckpt.should_save(step) or stop) and step != loop.steps:
         flush(*pending)  # never checkpoint a state that a non-finite step produced
         pending = None
         ckpt.save(step, state, train_it)
@@ -320,49 +331,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
           ckpt.close()
           runtime.leave_together()
           raise runtime.Preempted(step, guard.signum)
-      if config.train.eval_every and step % config.train.eval_every == 0:
-        log.write({'step': step, **evaluate_loss(config, state, eval_fn, mesh, cache)})
+      if loop.eval_every and step % loop.eval_every == 0:
+        log.write({'step': step, **held_out(state)})
     if pending is not None:
       flush(*pending)
     bar.close()
-    if ckpt.latest_step() != config.train.steps:
-      ckpt.save(config.train.steps, state, train_it)
+    if ckpt.latest_step() != loop.steps:
+      ckpt.save(loop.steps, state, train_it)
     ckpt.close()
-    final = evaluate_loss(config, state, eval_fn, mesh, cache)
-    log.write({'step': config.train.steps, **final})
+    final = held_out(state)
+    log.write({'step': loop.steps, **final})
     return state, final
-
-
-def saved_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config.json of a workdir; fields newer than it get their configs/base.py defaults."""
-  from configs import base  # pylint: disable=import-outside-toplevel
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
-    raise FileNotFoundError(f'{workdir} holds no config.json: not a training workdir')
-  with open(path) as f:
-    try:
-      saved = json.load(f)
-    except ValueError as e:
-      raise ValueError(f'{path} is not valid JSON ({e}); restore it from a copy or use another --workdir') from None
-  if not isinstance(saved, dict):
-    raise ValueError(f'{path} holds {type(saved).__name__}, not a config')
-  return ml_collections.ConfigDict(runtime.with_defaults(saved, json.loads(base.get_config().to_json())))
-
-
-def restore_model(workdir: str, mesh=None) -> tuple[MTPTransformer, ml_collections.ConfigDict]:
-  """The trained model of a workdir (latest checkpoint) and its config.
-
-  Parameters are placed on `mesh` by the logical axis rules (default: replicated on all devices).
-  """
-  config = saved_config(workdir)
-  mesh = mesh or sharding.make_mesh((-1,), ('data',))
-  ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=0, max_to_keep=1)
-  step = ckpt.latest_step()
-  if step is None:
-    raise FileNotFoundError(f'{workdir} holds no checkpoint')
-  abstract, _ = abstract_train_state(config, mesh)
-  try:
-    state = ckpt.restore_named(step, abstract)
-  finally:
-    ckpt.close()
-  return nnx.merge(state.graphdef, state.params), config

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from experiments import run as run_cli
-from mtpd_jax import experiment, model, recipe, sharding, train
+from mtpd_jax import model, sharding
+from mtpd_jax.harness import experiment, recipe, training, validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(ROOT, 'configs', '**', '*.py'), recursive=True)
@@ -56,9 +57,9 @@ def _check_sweep(module, arg: str) -> None:
     config = module.get_config(arg) if arg else module.get_config()
     config.lock()
     config.update_from_flattened_dict(point)  # raises on a key that does not exist
-    recipe.validate_config(config)
+    validation.validate_config(config)
     mesh = sharding.make_mesh((1, 1, 1), ('data', 'fsdp', 'model'))
-    abstract, _ = train.abstract_train_state(config, mesh)
+    abstract, _ = training.abstract_state(config, mesh)
     n_params = sum(x.size for x in jax.tree.leaves(abstract.params))
     assert n_params == model.param_count(recipe.model_config(config))
 
@@ -81,7 +82,7 @@ def test_bad_values_are_refused(field, value, message):
   config = small_config(num_heads=4)
   config.update_from_flattened_dict({field: value})
   with pytest.raises(ValueError, match=re.escape(message)):
-    recipe.validate_config(config)
+    validation.validate_config(config)
 
 
 def test_cli_refuses_bad_input_with_one_line_and_exit_2(tmp_path):
@@ -99,7 +100,7 @@ def test_cli_refuses_bad_input_with_one_line_and_exit_2(tmp_path):
 
 def test_draft_vocab_is_the_most_frequent_training_tokens():
   from conftest import small_config
-  from mtpd_jax import experiment  # pylint: disable=import-outside-toplevel
+  from mtpd_jax.harness import experiment  # pylint: disable=import-outside-toplevel
   config = small_config(num_heads=1)
   config.eval.draft_vocab = 8
   ids = experiment.draft_vocab(config, batches=4)

@@ -1,12 +1,15 @@
-"""Test set-up: 8 fake CPU devices (set before jax is imported) and a tiny config."""
+"""Test set-up: 8 fake CPU devices (set before jax is imported), a tiny config and loss inputs."""
 
 import os
+import re
 import sys
 
 os.environ.setdefault('JAX_NUM_CPU_DEVICES', '8')
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 # Tests build the same small programs many times (a fresh jit per train state); XLA's persistent
@@ -34,3 +37,38 @@ def small_config(num_heads: int = 2, steps: int = 8):
 @pytest.fixture
 def config():
   return small_config()
+
+
+# Loss inputs shared by the loss, Top-N and fused-loss tests.
+
+
+def distinct_logits(key, shape, scale=3.0):
+  """Logits with distinct values in every row (a random permutation of a grid, plus noise)."""
+  v = shape[-1]
+  perm = jax.random.permutation(jax.random.key(key), v * 8)[:v].astype(jnp.float32)
+  noise = jax.random.uniform(jax.random.key(key + 1), shape, minval=0.0, maxval=0.5)
+  shuffle = jax.vmap(lambda k: jax.random.permutation(k, perm))(
+      jax.random.split(jax.random.key(key + 2), int(np.prod(shape[:-1]))))
+  return (shuffle.reshape(shape) + noise) * scale / v
+
+
+
+def loss_inputs(k=3, b=2, t=10, v=40):
+  logits = distinct_logits(9, (b, t, v), scale=6.0)
+  mtp = jnp.stack([distinct_logits(10 + j, (b, t, v), scale=6.0) for j in range(k)])
+  targets = jax.random.randint(jax.random.key(20), (b, t), 0, v)
+  seg = jnp.ones((b, t), jnp.int32).at[1, 6:].set(2)  # two documents in row 1
+  tseg = jnp.ones((b, t), jnp.int32).at[1, 5:].set(2)
+  return logits, mtp, targets, seg, tseg
+
+
+
+def gathered_shapes(hlo: str) -> list[list[int]]:
+  """Shapes of every all-gather operand in compiled HLO text."""
+  shapes = []
+  for line in hlo.splitlines():
+    if re.search(r'\ball-gather(-start)?\(', line):
+      lhs = line.split('all-gather')[0]
+      shapes += [[int(d) for d in dims.split(',') if d] for dims in re.findall(r'\w+\[([\d,]*)\]', lhs)]
+  return shapes
+

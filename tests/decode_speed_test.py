@@ -59,7 +59,7 @@ def fake_gguf(tmp_path_factory):
 
 
 def test_heads_only_training_moves_the_heads_and_leaves_the_trunk_bitwise(fake_gguf):
-  from mtpd_jax import gguf_llama  # pylint: disable=import-outside-toplevel
+  from mtpd_jax.harness import gguf_llama  # pylint: disable=import-outside-toplevel
   model = gguf_llama.load_model(fake_gguf, num_mtp_heads=2)
   before = {gguf_llama._key(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
   rows = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (8, 17))
@@ -104,7 +104,7 @@ def test_gguf_quick_with_hf_side_by_side(fake_gguf, tmp_path):
 
 
 def test_gguf_workdir_brings_its_own_trained_heads(fake_gguf, tmp_path):
-  from mtpd_jax import train  # pylint: disable=import-outside-toplevel
+  from mtpd_jax.harness import training
   from tests.conftest import small_config  # pylint: disable=import-outside-toplevel
   from tests.gguf_test import FAKE  # pylint: disable=import-outside-toplevel
   c = small_config(num_heads=3, steps=2)
@@ -112,7 +112,7 @@ def test_gguf_workdir_brings_its_own_trained_heads(fake_gguf, tmp_path):
   c.distill.top_n, c.eval.enabled = 16, False
   c.train.init_from, c.train.trainable = fake_gguf, 'mtp_heads'
   c.mesh.shape = (1, 1, 1)
-  train.train_and_evaluate(c, str(tmp_path / 'run'), progress=False)
+  training.train_and_evaluate(c, str(tmp_path / 'run'), progress=False)
   saved = decode_speed.main(decode_speed.parse_args(
       QUICK + [f'--model={fake_gguf}', f'--workdir={tmp_path / "run"}', '--max_prompt_tokens=32',
                '--batch_sizes=1', '--prompt_sets=math', '--no-hf', f'--out={tmp_path / "out.json"}']))

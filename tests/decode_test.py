@@ -12,7 +12,8 @@ import scipy.stats
 from flax import nnx
 
 from benchmarks import decode_speed
-from mtpd_jax import decode, evaluate, metrics, sampling
+from mtpd_jax import decode, metrics, sampling
+from mtpd_jax.harness import evaluate
 from mtpd_jax.model import ModelConfig, MTPTransformer
 
 CFG = ModelConfig(vocab_size=32, dim=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from benchmarks import decode_speed
-from mtpd_jax import decode, display
+from mtpd_jax import decode
+from mtpd_jax.harness import display
 from mtpd_jax.model import ModelConfig
 
 CFG = ModelConfig(vocab_size=32, dim=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,

@@ -17,7 +17,8 @@ import portpicker
 import pytest
 from flax import nnx
 
-from mtpd_jax import checkpoint, train
+from mtpd_jax import checkpoint
+from mtpd_jax.harness import training
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'distributed_worker.py')
 TIMEOUT_S = 240  # for all three processes together; ~20-30 s on 2 idle cores
@@ -107,7 +108,7 @@ def test_two_processes_train_and_checkpoint_like_one(tmp_path):
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=0, max_to_keep=2)
   assert ckpt.all_steps() == [2, 4]
   ckpt.close()
-  model, _ = train.restore_model(str(workdir))
+  model, _ = training.restore_model(str(workdir))
   restored = {'param' + jax.tree_util.keystr(path): np.asarray(x)
               for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
   _assert_same_params(restored, single)

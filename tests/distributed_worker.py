@@ -41,7 +41,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mtpd_jax import recipe, runtime, sharding, train
+from mtpd_jax import runtime, sharding
+from mtpd_jax.harness import recipe, training
+
 from tests.conftest import small_config
 
 
@@ -73,9 +75,9 @@ def run_steps(config) -> dict[str, np.ndarray]:
   """NUM_STEPS train steps from the library pieces: per-step losses and final parameters."""
   mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
   with jax.set_mesh(mesh):
-    abstract, shardings = train.abstract_train_state(config, mesh)
-    state = train.init_train_state(config, abstract, shardings)
-    step_fn, _ = train.make_steps(config, mesh, shardings)
+    abstract, shardings = training.abstract_state(config, mesh)
+    state = training.init_state(config, abstract, shardings)
+    step_fn, _ = training.make_steps(config, mesh, shardings)
     it = recipe.make_data_iterator(config, 'train')
     losses = []
     for _ in range(NUM_STEPS):
@@ -86,7 +88,7 @@ def run_steps(config) -> dict[str, np.ndarray]:
 
 def run_train(config, workdir: str) -> dict[str, np.ndarray]:
   """`train_and_evaluate` into `workdir`: logged per-step losses, final eval loss and parameters."""
-  state, final = train.train_and_evaluate(config, workdir, progress=False)
+  state, final = training.train_and_evaluate(config, workdir, progress=False)
   out = dict(eval_loss=np.asarray(final['eval/loss']), **host_params(state.params))
   if jax.process_index() == 0:  # only process 0 writes metrics.jsonl
     with open(os.path.join(workdir, 'metrics.jsonl')) as f:

@@ -3,7 +3,7 @@
 import os
 
 from configs import base
-from mtpd_jax import config_doc
+from experiments import config_doc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,4 +36,4 @@ def test_readme_config_reference_is_current():
   with open(os.path.join(ROOT, 'README.md')) as f:
     readme = f.read()
   assert config_doc.replace_block(readme, config_doc.reference_table()) == readme, (
-      'README.md config reference is stale: python -m mtpd_jax.config_doc --write README.md')
+      'README.md config reference is stale: python -m experiments.config_doc --write README.md')

@@ -9,7 +9,8 @@ import optax
 import pytest
 from flax import nnx
 
-from mtpd_jax import evaluate, losses
+from mtpd_jax import losses
+from mtpd_jax.harness import evaluate
 from mtpd_jax.model import ModelConfig, MTPTransformer
 
 CFG = ModelConfig(vocab_size=32, dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtpd_jax import corpus, gguf_llama, train
+from mtpd_jax.harness import corpus, gguf_llama, recipe, training
 from mtpd_jax.model import MTPTransformer
 
 gguf = pytest.importorskip('gguf')
@@ -185,14 +185,14 @@ def test_trunk_head_init_copies_the_last_block_and_passes_the_hidden_state(fake)
 
 def _frozen_trunk_run(config, workdir, ref):
   """Train heads only from a GGUF checkpoint; the trunk must come back bit for bit as loaded."""
-  state, _ = train.train_and_evaluate(config, str(workdir), progress=False)
+  state, _ = training.train_and_evaluate(config, str(workdir), progress=False)
   loaded = gguf_llama.load_params(ref)
   params = {gguf_llama._key(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
   trunk = [k for k in params if k[0] != 'mtp_heads']
   assert set(trunk) == set(loaded)
   for k in trunk:
     np.testing.assert_array_equal(params[k], loaded[k], err_msg=str(k))
-  fresh = MTPTransformer(train.recipe.model_config(config), rngs=nnx.Rngs(config.seed))
+  fresh = MTPTransformer(recipe.model_config(config), rngs=nnx.Rngs(config.seed))
   fresh = {gguf_llama._key(p): np.asarray(l)
            for p, l in jax.tree_util.tree_leaves_with_path(nnx.state(fresh, nnx.Param))}
   moved = [k for k in params if k[0] == 'mtp_heads' and not np.allclose(params[k], fresh[k])]

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from mtpd_jax import decode, evaluate, metrics, recipe, train
+from mtpd_jax import decode, metrics
+from mtpd_jax.harness import evaluate, recipe, training
 
 TOL = 0.04
 # Recorded on 2026-12-03 (JAX 0.10.2, XLA:CPU), the values printed by GOLDEN_PRINT=1.
@@ -35,8 +36,8 @@ def _config():
 @pytest.mark.slow
 def test_golden_acceptance(tmp_path):
   config = _config()
-  train.train_and_evaluate(config, str(tmp_path), progress=False)
-  model, _ = train.restore_model(str(tmp_path))
+  training.train_and_evaluate(config, str(tmp_path), progress=False)
+  model, _ = training.restore_model(str(tmp_path))
   prompts = recipe.prompt_sets(config)['synthetic']
   gen = decode.generate(model, prompts, max_new_tokens=config.eval.max_new_tokens, draft_depth=2)
   online = metrics.acceptance_stats(np.concatenate(gen.accept_lengths), 2)['ar']

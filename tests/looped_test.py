@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from conftest import small_config
-from mtpd_jax import looped, recipe, runtime, train
+from mtpd_jax import runtime
+from mtpd_jax.harness import looped, recipe, training
 from mtpd_jax.model import MTPTransformer
 
 
@@ -19,16 +20,16 @@ def _params(num_heads, seed):
 
 def test_transplant_copies_the_trunk_and_loops_heads():
   src, dst = _params(2, seed=0), _params(5, seed=1)
-  out = train.transplant(dst, src, loop_heads=True)
+  out = training.transplant(dst, src, loop_heads=True)
   np.testing.assert_array_equal(out['embed'][...], src['embed'][...])
   for j, from_head in enumerate([0, 1, 0, 1, 0]):   # head j+1 <- source head ((j) mod 2)+1
     np.testing.assert_array_equal(out['mtp_heads'][j]['proj'][...], src['mtp_heads'][from_head]['proj'][...])
-  fresh = train.transplant(dst, src, loop_heads=False)
+  fresh = training.transplant(dst, src, loop_heads=False)
   np.testing.assert_array_equal(fresh['mtp_heads'][4]['proj'][...], dst['mtp_heads'][4]['proj'][...])
   with pytest.raises(ValueError, match='has shape'):
     cfg = small_config()
     cfg.model.dim = 48
-    train.transplant(nnx.state(MTPTransformer(recipe.model_config(cfg), rngs=nnx.Rngs(0)), nnx.Param),
+    training.transplant(nnx.state(MTPTransformer(recipe.model_config(cfg), rngs=nnx.Rngs(0)), nnx.Param),
                      src, loop_heads=True)
 
 
@@ -40,8 +41,8 @@ def test_looped_stages_train_only_the_new_heads(tmp_path):
   assert [c.mtp.num_heads for c, _ in stages] == [1, 3]
   assert stages[1][0].train.trainable == [2, 3] and stages[1][0].train.init_heads == 'loop'
   looped.run_looped(config, str(tmp_path), progress=False)
-  first, _ = train.restore_model(str(tmp_path / 'heads_1'))
-  last, last_config = train.restore_model(str(tmp_path / 'heads_3'))
+  first, _ = training.restore_model(str(tmp_path / 'heads_1'))
+  last, last_config = training.restore_model(str(tmp_path / 'heads_3'))
   assert last_config.mtp.num_heads == 3
   p1, p3 = nnx.state(first, nnx.Param), nnx.state(last, nnx.Param)
   for path, leaf in jax.tree_util.tree_leaves_with_path(p1):   # trunk and head 1 frozen
@@ -51,7 +52,7 @@ def test_looped_stages_train_only_the_new_heads(tmp_path):
     assert not np.array_equal(p3['mtp_heads'][j]['proj'][...], p1['mtp_heads'][0]['proj'][...])
   # A rerun finds both stages finished and changes nothing.
   looped.run_looped(config, str(tmp_path), progress=False)
-  again, _ = train.restore_model(str(tmp_path / 'heads_3'))
+  again, _ = training.restore_model(str(tmp_path / 'heads_3'))
   np.testing.assert_array_equal(nnx.state(again, nnx.Param)['mtp_heads'][2]['proj'][...],
                                 p3['mtp_heads'][2]['proj'][...])
 
@@ -74,8 +75,8 @@ def test_an_interrupted_looped_stage_resumes_to_the_uninterrupted_result(tmp_pat
   assert sorted(os.listdir(tmp_path / 'cut' / 'heads_2' / 'checkpoints')) == ['2']
   monkeypatch.undo()
   looped.run_looped(config, str(tmp_path / 'cut'), progress=False)
-  a, _ = train.restore_model(str(tmp_path / 'straight' / 'heads_2'))
-  b, _ = train.restore_model(str(tmp_path / 'cut' / 'heads_2'))
+  a, _ = training.restore_model(str(tmp_path / 'straight' / 'heads_2'))
+  b, _ = training.restore_model(str(tmp_path / 'cut' / 'heads_2'))
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(nnx.state(a, nnx.Param)),
                           jax.tree.leaves(nnx.state(b, nnx.Param))):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))

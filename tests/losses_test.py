@@ -1,11 +1,14 @@
-"""Hand-computed cases of the MTP-D loss (the paper's total loss; docs/design.md)."""
+"""The MTP-D loss (the paper's total loss; docs/design.md): hand-computed cases, the threshold form
+against gathered top_k, and a vocab-sharded loss that never gathers the vocabulary."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mtpd_jax import losses
+from mtpd_jax import losses, sharding
+from conftest import distinct_logits, gathered_shapes, loss_inputs
 
 
 def _np_kl(q_logits, p_logits):
@@ -108,7 +111,7 @@ def test_teacher_gradient_is_zero_with_detach_and_nonzero_without():
   logits, mtp, targets, seg, tseg = _loss_inputs()
 
   def kl_only(main, detach):
-    _, m = losses.mtp_d_loss(main, mtp, targets, seg, tseg, beta=(1.0, 1.0), top_n=4, detach=detach)
+    _, m = losses.mtp_d_loss(main, mtp, targets, seg, tseg, losses.LossConfig(beta=(1.0, 1.0), top_n=4, detach=detach))
     return m['distill/k1/kl'] + m['distill/k2/kl']
   assert float(jnp.abs(jax.grad(kl_only)(logits, True)).sum()) == 0.0
   assert float(jnp.abs(jax.grad(kl_only)(logits, False)).sum()) > 0.0
@@ -116,7 +119,8 @@ def test_teacher_gradient_is_zero_with_detach_and_nonzero_without():
 
 def test_mtp_d_loss_total_and_metrics_match_their_parts():
   logits, mtp, targets, seg, tseg = _loss_inputs()
-  loss, m = losses.mtp_d_loss(logits, mtp, targets, seg, tseg, ce_weight=0.3, beta=(0.5, 0.25), top_n=4)
+  loss, m = losses.mtp_d_loss(logits, mtp, targets, seg, tseg,
+                              losses.LossConfig(ce_weight=0.3, beta=(0.5, 0.25), top_n=4))
   expected = m['xent'] + 0.15 * (m['mtp/k1/xent'] + m['mtp/k2/xent']) + 0.5 * m['distill/k1/kl'] \
       + 0.25 * m['distill/k2/kl']
   np.testing.assert_allclose(loss, expected, rtol=1e-6)
@@ -128,7 +132,7 @@ def test_mtp_d_loss_total_and_metrics_match_their_parts():
   kl = losses.kl_divergence(logits[:, 2:], mtp[1][:, :-2], idx).mean()
   np.testing.assert_allclose(m['distill/k2/kl'], kl, rtol=1e-5)
   # Plain MTP: no KL terms at all.
-  loss_ce, m_ce = losses.mtp_d_loss(logits, mtp, targets, seg, tseg, beta=(0.5, 0.25), distill=False)
+  loss_ce, m_ce = losses.mtp_d_loss(logits, mtp, targets, seg, tseg, losses.LossConfig(beta=(0.5, 0.25), distill=False))
   assert 'distill/k1/kl' not in m_ce
   np.testing.assert_allclose(loss_ce, m['xent'] + 0.15 * (m['mtp/k1/xent'] + m['mtp/k2/xent']), rtol=1e-6)
 
@@ -140,13 +144,74 @@ def test_agreement_metric_counts_argmax_matches_with_the_main_head_at_i_plus_k()
   head_arg = jnp.array([[1, 2, 0, 1, 2, 3]])   # agrees with the main argmax at i+1 for i = 0, 1 only
   mtp = (jax.nn.one_hot(head_arg, v) * 5)[None]
   seg = jnp.ones((1, 6), jnp.int32)
-  _, m = losses.mtp_d_loss(logits, mtp, main_arg, seg, seg, beta=(1.0,), distill=False)
+  _, m = losses.mtp_d_loss(logits, mtp, main_arg, seg, seg, losses.LossConfig(beta=(1.0,), distill=False))
   np.testing.assert_allclose(m['mtp/k1/agree'], 2 / 5)   # positions 0..4 are valid for k = 1
 
 
 def test_bad_arguments_raise():
   logits, mtp, targets, seg, tseg = _loss_inputs()
   with pytest.raises(ValueError, match='beta has 1 values'):
-    losses.mtp_d_loss(logits, mtp, targets, seg, tseg, beta=(1.0,))
-  with pytest.raises(ValueError, match='unknown KL direction'):
-    losses.mtp_d_loss(logits, mtp, targets, seg, tseg, beta=(1.0, 1.0), kl='sideways')
+    losses.mtp_d_loss(logits, mtp, targets, seg, tseg, losses.LossConfig(beta=(1.0,)))
+  with pytest.raises(ValueError, match="unknown kl 'sideways'"):
+    losses.LossConfig(beta=(1.0, 1.0), kl='sideways')
+  with pytest.raises(ValueError, match="unknown teacher 'student'"):
+    losses.LossConfig(teacher='student')
+  with pytest.raises(ValueError, match='top_n=0'):
+    losses.LossConfig(top_n=0)
+
+
+@pytest.mark.parametrize('kw', [
+    dict(),
+    dict(kl='reverse'),
+    dict(renormalize=False),
+    dict(renormalize=False, kl='reverse', tau=2.0),
+    dict(top_n_mode='union'),
+    dict(teacher='ensemble_mean'),
+    dict(detach=False),
+    dict(detach=False, kl='reverse', top_n_mode='union'),
+])
+def test_threshold_loss_and_gradients_equal_top_k(kw):
+  logits, mtp, targets, seg, tseg = loss_inputs()
+
+  def loss(selection, main, heads):
+    return losses.mtp_d_loss(main, heads, targets, seg, tseg,
+                             losses.LossConfig(beta=(1.0, 0.5, 0.25), top_n=7, selection=selection, **kw))
+  (want, m_want), g_want = jax.value_and_grad(loss, argnums=(1, 2), has_aux=True)('top_k', logits, mtp)
+  (got, m_got), g_got = jax.jit(jax.value_and_grad(loss, argnums=(1, 2), has_aux=True),
+                                static_argnums=0)('threshold', logits, mtp)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for key in m_want:
+    np.testing.assert_allclose(m_got[key], m_want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  for a, b in zip(g_got, g_want):  # f32 rounding, relative to the largest gradient entry
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.abs(b).max()))
+
+
+
+def test_materialize_grad_is_the_identity_in_value_and_gradient():
+  x = distinct_logits(30, (2, 3, 5))
+  f = lambda x: jnp.sum(jnp.sin(losses.materialize_grad((x, 2 * x))[1]))
+  np.testing.assert_allclose(jax.jit(jax.grad(f))(x), 2 * jnp.cos(2 * x), rtol=1e-6)
+
+
+
+@pytest.mark.parametrize('mesh_shape', [(1, 1, 8), (1, 2, 4)])
+def test_vocab_sharded_loss_equals_unsharded_and_never_gathers_the_vocabulary(mesh_shape):
+  v = 96  # a size no other dimension has, to spot it in the HLO
+  logits, mtp, targets, seg, tseg = loss_inputs(k=2, b=2, t=10, v=v)
+  mesh = sharding.make_mesh(mesh_shape, ('data', 'fsdp', 'model'))
+
+  def loss(main, heads):
+    return losses.mtp_d_loss(main, heads, targets, seg, tseg, losses.LossConfig(beta=(1.0, 0.5), top_n=8))[0]
+  grad_fn = jax.value_and_grad(loss, argnums=(0, 1))
+  want, g_want = jax.jit(grad_fn)(logits, mtp)
+  main_sh = NamedSharding(mesh, P(None, None, 'model'))
+  heads_sh = NamedSharding(mesh, P(None, None, None, 'model'))
+  jitted = jax.jit(grad_fn, in_shardings=(main_sh, heads_sh))
+  args = jax.device_put(logits, main_sh), jax.device_put(mtp, heads_sh)
+  got, g_got = jitted(*args)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for a, b in zip(g_got, g_want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  hlo = jitted.lower(*args).compile().as_text()
+  assert 'all-reduce' in hlo  # the per-row reductions over V are combined across shards
+  assert not [s for s in gathered_shapes(hlo) if v in s], 'a [.., V] operand is all-gathered'

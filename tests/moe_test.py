@@ -14,7 +14,8 @@ from flax import nnx
 
 from conftest import small_config
 from configs import model as model_presets
-from mtpd_jax import decode, moe, recipe, sharding, train
+from mtpd_jax import decode, moe, sharding
+from mtpd_jax.harness import recipe, training, validation
 from mtpd_jax import model as M
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,9 +168,9 @@ def test_balancing_evens_out_the_load_of_a_skewed_router(mechanism):
 
 
 def _setup(config, mesh):
-  abstract, shardings = train.abstract_train_state(config, mesh)
-  state = train.init_train_state(config, abstract, shardings)
-  step_fn, _ = train.make_steps(config, mesh, shardings)
+  abstract, shardings = training.abstract_state(config, mesh)
+  state = training.init_state(config, abstract, shardings)
+  step_fn, _ = training.make_steps(config, mesh, shardings)
   return state, step_fn
 
 
@@ -207,7 +208,7 @@ def test_moe_tiny_trunk_trains_with_mtpd_heads(tmp_path):
   model_presets.apply(config, 'moe_tiny')
   config.train.log_every = 10
   assert recipe.model_config(config).moe.num_experts == 4
-  train.train_and_evaluate(config, str(tmp_path), progress=False)
+  training.train_and_evaluate(config, str(tmp_path), progress=False)
   with open(tmp_path / 'metrics.jsonl') as f:
     rows = [r for r in map(json.loads, f) if 'train/loss' in r]
   assert rows[-1]['train/loss'] < 0.85 * rows[0]['train/loss']
@@ -239,9 +240,9 @@ def test_speculative_greedy_with_a_moe_model_equals_plain_greedy(trained_moe, de
 
 def test_bad_moe_values_are_refused():
   with pytest.raises(ValueError, match=r'model\.moe\.top_k=5 must lie in 1\.\.model\.moe\.num_experts=4'):
-    recipe.validate_config(_bad(top_k=5))
+    validation.validate_config(_bad(top_k=5))
   with pytest.raises(ValueError, match='group_size=5 does not divide data.seq_len=16'):
-    recipe.validate_config(_bad(group_size=5))
+    validation.validate_config(_bad(group_size=5))
   with pytest.raises(ValueError, match='unknown model preset'):
     model_presets.apply(small_config(), 'moe_huge')
 

@@ -8,7 +8,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import base
 from configs import model as model_presets
-from mtpd_jax import model, moe, recipe, sharding, train
+from mtpd_jax import model, moe, sharding
+from mtpd_jax.harness import recipe, training, validation
 
 
 def _config(preset: str, num_heads: int):
@@ -23,7 +24,7 @@ def _config(preset: str, num_heads: int):
 
 def _abstract_params(config):
   mesh = sharding.make_mesh((1, 1, 1), ('data', 'fsdp', 'model'), devices=jax.devices()[:1])
-  abstract, _ = train.abstract_train_state(config, mesh)  # nnx.eval_shape: no parameter is allocated
+  abstract, _ = training.abstract_state(config, mesh)  # nnx.eval_shape: no parameter is allocated
   return abstract.params
 
 
@@ -33,7 +34,7 @@ def _abstract_params(config):
 ])
 def test_paper_scale_parameter_counts(preset, total, active):
   config = _config(preset, num_heads=0)  # the backbone alone (MTP heads are extra, as in DeepSeek-V3)
-  recipe.validate_config(config)
+  validation.validate_config(config)
   cfg = recipe.model_config(config)
   params = _abstract_params(config)
   leaves = jax.tree_util.tree_leaves_with_path(params)
@@ -56,12 +57,12 @@ def test_paper_scale_parameter_counts(preset, total, active):
 def test_paper_scale_train_step_lowers_on_8_fake_devices(preset, mesh_shape, mesh_axes):
   config = _config(preset, num_heads=1)
   config.mesh.shape, config.mesh.axes = mesh_shape, mesh_axes
-  recipe.validate_config(config)
+  validation.validate_config(config)
   mesh = sharding.make_mesh(mesh_shape, mesh_axes)
   assert mesh.size == 8
   with jax.set_mesh(mesh):
-    abstract, shardings = train.abstract_train_state(config, mesh)
-    step_fn, _ = train.make_steps(config, mesh, shardings)
+    abstract, shardings = training.abstract_state(config, mesh)
+    step_fn, _ = training.make_steps(config, mesh, shardings)
     batch_sh = NamedSharding(mesh, sharding.batch_spec(mesh))
     shape = (config.data.batch_size, config.data.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sh)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from conftest import small_config
-from mtpd_jax import corpus
-from mtpd_jax import prompts, recipe
-from mtpd_jax import tokenizer as tokenizer_lib
+from mtpd_jax.harness import corpus
+from mtpd_jax.harness import prompts, recipe
+from mtpd_jax.harness import tokenizer as tokenizer_lib
 
 
 @pytest.fixture(scope='module')

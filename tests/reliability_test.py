@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import small_config
-from mtpd_jax import checkpoint, sharding, train
+from mtpd_jax import checkpoint, sharding
+from mtpd_jax.harness import training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.reliability
@@ -55,7 +56,7 @@ def test_sigterm_checkpoints_after_the_current_step_and_a_rerun_resumes(tmp_path
 
 
 def _train(config, workdir):
-  return train.train_and_evaluate(config, str(workdir), progress=False)
+  return training.train_and_evaluate(config, str(workdir), progress=False)
 
 
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
@@ -160,9 +161,9 @@ def test_sigkill_at_several_steps_then_rerun_ends_bitwise_equal(tmp_path):
 
 def _final_state(workdir):
   """The newest checkpoint's whole train state: parameters and optimizer moments."""
-  _, config = train.restore_model(workdir)
+  _, config = training.restore_model(workdir)
   mesh = sharding.make_mesh((1,), ('data',))
-  abstract, _ = train.abstract_train_state(config, mesh)
+  abstract, _ = training.abstract_state(config, mesh)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=0, max_to_keep=2)
   state = ckpt.restore(ckpt.latest_step(), abstract)
   ckpt.close()
@@ -203,10 +204,10 @@ def test_a_disk_filling_up_mid_save_keeps_the_previous_checkpoint_and_a_rerun_re
     return real_save(self, step, *args, **kwargs)
   monkeypatch.setattr(checkpoint.ocp.CheckpointManager, 'save', save_until_full)
   with pytest.raises(OSError, match=r'disk full while writing checkpoint 8 .* newest complete checkpoint \(4\)'):
-    train.train_and_evaluate(config, workdir, progress=False)
+    training.train_and_evaluate(config, workdir, progress=False)
   assert _ckpt_steps(workdir) == [4]
   monkeypatch.setattr(checkpoint.ocp.CheckpointManager, 'save', real_save)
-  state, _ = train.train_and_evaluate(config, workdir, progress=False)
+  state, _ = training.train_and_evaluate(config, workdir, progress=False)
   assert int(state.step) == 8 and _steps_logged(workdir)[-1] == 8
 
 

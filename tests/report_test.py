@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from mtpd_jax import experiment, report
+from mtpd_jax.harness import experiment, report
 
 
 def _counts(steps, acc1, acc):

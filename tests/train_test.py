@@ -10,13 +10,14 @@ import pytest
 from flax import nnx
 
 from conftest import small_config
-from mtpd_jax import checkpoint, recipe, sharding, train
+from mtpd_jax import checkpoint, sharding
+from mtpd_jax.harness import recipe, training
 
 
 def _setup(config, mesh):
-  abstract, shardings = train.abstract_train_state(config, mesh)
-  state = train.init_train_state(config, abstract, shardings)
-  step_fn, eval_fn = train.make_steps(config, mesh, shardings)
+  abstract, shardings = training.abstract_state(config, mesh)
+  state = training.init_state(config, abstract, shardings)
+  step_fn, eval_fn = training.make_steps(config, mesh, shardings)
   return abstract, state, step_fn, eval_fn
 
 
@@ -57,7 +58,7 @@ def _read_metrics(workdir):
 def test_loss_falls_and_metrics_jsonl_has_every_key(tmp_path):
   config = small_config(num_heads=2, steps=40)
   config.train.log_every = 10
-  train.train_and_evaluate(config, str(tmp_path), progress=False)
+  training.train_and_evaluate(config, str(tmp_path), progress=False)
   rows = [r for r in _read_metrics(str(tmp_path)) if 'train/loss' in r]
   assert [r['step'] for r in rows] == [10, 20, 30, 40]
   keys = {'step', 'train/loss', 'train/xent', 'train/grad_norm', 'train/lr', 'train/tokens_per_s'}
@@ -95,13 +96,13 @@ def test_save_restore_gives_identical_state_and_next_batch(tmp_path):
 def test_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
   config = small_config(steps=8)   # checkpoints at 4 and 8
   full, resumed = str(tmp_path / 'full'), str(tmp_path / 'resumed')
-  train.train_and_evaluate(config, full, progress=False)
+  training.train_and_evaluate(config, full, progress=False)
   # A run killed after its step-4 checkpoint: the same workdir without the later checkpoint.
   shutil.copytree(full, resumed)
   shutil.rmtree(os.path.join(resumed, 'checkpoints', '8'))
-  train.train_and_evaluate(config, resumed, progress=False)
-  model_full, _ = train.restore_model(full)
-  model_resumed, _ = train.restore_model(resumed)
+  training.train_and_evaluate(config, resumed, progress=False)
+  model_full, _ = training.restore_model(full)
+  model_resumed, _ = training.restore_model(resumed)
   for a, b in zip(jax.tree.leaves(nnx.state(model_full, nnx.Param)),
                   jax.tree.leaves(nnx.state(model_resumed, nnx.Param))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

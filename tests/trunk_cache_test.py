@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 from conftest import small_config
-from mtpd_jax import recipe, train, trunk_cache
+from mtpd_jax import train
+from mtpd_jax.harness import recipe, training, trunk_cache
 
 pytestmark = pytest.mark.reliability
 
@@ -36,12 +37,11 @@ def test_heads_only_step_from_the_cache_equals_the_step_through_the_trunk(tmp_pa
   graphdef, params = nnx.split(_model(config), nnx.Param)
   batch = next(recipe.make_data_iterator(config, 'train'))
   hidden = nnx.merge(graphdef, params).trunk_hidden(batch['inputs'], batch['segment_ids'])
-  labels = recipe.trainable_labels(params, 'mtp_heads')
+  labels = train.trainable_labels(params, 'mtp_heads')
 
   def loss(p, b):
     p = jax.tree.map(lambda x, l: x if l == 'train' else jax.lax.stop_gradient(x), p, labels)
-    return train._forward_loss(p, graphdef, b, loss_kw=recipe.loss_kwargs(config), isolate_trunk=False,  # pylint: disable=protected-access
-                               beta_scale=1.0, loss_chunk_rows=loss_chunk_rows)
+    return train.forward_loss(p, graphdef, b, recipe.step_config(config), beta_scale=1.0)
   grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
   (loss_a, metrics_a), grads_a = grad(params, batch)
   (loss_b, metrics_b), grads_b = grad(params, {**batch, 'trunk_hidden': np.asarray(hidden)})
@@ -60,9 +60,9 @@ def _head_params(state):
 
 def test_training_from_the_cache_matches_training_through_the_trunk_and_reuses_the_cache(tmp_path):
   config = _config(tmp_path)
-  state_a, final_a = train.train_and_evaluate(config, str(tmp_path / 'cached'), progress=False)
+  state_a, final_a = training.train_and_evaluate(config, str(tmp_path / 'cached'), progress=False)
   plain = _config(tmp_path, trunk_cache=False)
-  state_b, final_b = train.train_and_evaluate(plain, str(tmp_path / 'plain'), progress=False)
+  state_b, final_b = training.train_and_evaluate(plain, str(tmp_path / 'plain'), progress=False)
   for k in final_b:
     np.testing.assert_allclose(final_a[k], final_b[k], rtol=1e-4, atol=1e-6, err_msg=k)
   for name, value in _head_params(state_b).items():
@@ -76,7 +76,7 @@ def test_training_from_the_cache_matches_training_through_the_trunk_and_reuses_t
   stamp = os.stat(path / 'train.npy').st_mtime_ns
   other = _config(tmp_path)
   other.distill.enabled = False
-  train.train_and_evaluate(other, str(tmp_path / 'mtp'), progress=False)
+  training.train_and_evaluate(other, str(tmp_path / 'mtp'), progress=False)
   assert [d for d in os.listdir(tmp_path / 'cache') if d.startswith('trunk-')] == [directory]
   assert os.stat(path / 'train.npy').st_mtime_ns == stamp
 
@@ -163,7 +163,7 @@ def test_a_full_disk_is_refused_before_writing(tmp_path, monkeypatch):
 
 
 def test_every_looped_stage_reads_the_one_cache_of_the_frozen_trunk(tmp_path):
-  from mtpd_jax import looped
+  from mtpd_jax.harness import looped
   config = _config(tmp_path)
   config.looped.schedule, config.looped.stage_steps = (1, 2), 2
   state, _ = looped.run_looped(config, str(tmp_path / 'looped'), progress=False)

@@ -2,7 +2,7 @@
 in one line that names the field or file, with exit status 2 and the workdir byte for byte unchanged.
 
 Most cases run in-process through experiment.run_sweep (the path experiments.run takes) and the
-shared handler mtpd_jax/cli.py; one subprocess per entry point checks the real exit status.
+shared handler mtpd_jax/harness/cli.py; one subprocess per entry point checks the real exit status.
 """
 
 import hashlib
@@ -17,21 +17,21 @@ import pytest
 
 from configs import base
 from conftest import small_config
-from mtpd_jax import cli, experiment, recipe
+from mtpd_jax.harness import cli, experiment, validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.reliability
 
 
 def test_every_field_of_base_config_has_a_rule():
-  fields = set(recipe._flat(base.get_config().to_dict()))  # pylint: disable=protected-access
-  assert not fields - set(recipe.FIELD_RULES), f'fields without a rule in recipe.FIELD_RULES: {fields - set(recipe.FIELD_RULES)}'
-  assert not set(recipe.FIELD_RULES) - fields, 'rules for fields that base.py no longer has'
+  fields = set(validation._flat(base.get_config().to_dict()))  # pylint: disable=protected-access
+  assert not fields - set(validation.FIELD_RULES), f'fields without a rule in validation.FIELD_RULES: {fields - set(validation.FIELD_RULES)}'
+  assert not set(validation.FIELD_RULES) - fields, 'rules for fields that base.py no longer has'
 
 
 def test_the_defaults_satisfy_every_rule():
-  recipe.check_fields(base.get_config())
-  recipe.check_fields(small_config())
+  validation.check_fields(base.get_config())
+  validation.check_fields(small_config())
 
 
 def test_a_field_no_rule_knows_is_refused():
@@ -39,7 +39,7 @@ def test_a_field_no_rule_knows_is_refused():
   config.unlock()
   config.train.stepz = 3
   with pytest.raises(ValueError, match=r'train\.stepz=3 is not a field of configs/base\.py'):
-    recipe.check_fields(config)
+    validation.check_fields(config)
 
 
 def _snapshot(directory):
@@ -211,8 +211,8 @@ def test_bad_input_is_one_named_line_exit_2_before_any_work(files, capsys, kind,
                                      isinstance(v[0], str) else v for k, v in overrides.items()})
   before = _snapshot(d)
   with pytest.raises(Exception) as info:  # what experiments.run's main does
-    recipe.check_fields(config)
-    recipe.check_decoding_fits(config)
+    validation.check_fields(config)
+    validation.check_decoding_fits(config)
     experiment.run_sweep(config, [{}], workdir, str(d / 'results'), root=str(d), progress=False)
   assert cli.report(info.value, verbose=False) == 2, f'{kind}: {info.value!r} is not an expected error'
   lines = capsys.readouterr().err.splitlines()
@@ -347,7 +347,7 @@ def _cli(module, *args, timeout=180):
     ('experiments.evaluate', [], 'Flag --workdir must have a value'),
     ('benchmarks.train_memory', ['--bogus'], 'unrecognized arguments: --bogus'),
     ('benchmarks.hf_parity', ['--ref=/no/such.gguf'], '/no/such.gguf'),
-    ('mtpd_jax.config_doc', ['--write', '/no/such/README.md'], '/no/such/README.md'),
+    ('experiments.config_doc', ['--write', '/no/such/README.md'], '/no/such/README.md'),
 ])
 def test_each_entry_point_exits_2_with_one_line(module, args, message):
   proc = _cli(module, *args)

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from conftest import small_config
-from mtpd_jax import cli, experiment, train, workdir_lock
+from mtpd_jax import workdir_lock
+from mtpd_jax.harness import cli, experiment, training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, 'JAX_NUM_CPU_DEVICES': '1', 'PYTHONPATH': ROOT}
@@ -90,7 +91,7 @@ def test_only_process_0_of_a_multi_process_run_locks(tmp_path):
 
 
 def test_evaluate_of_a_workdir_in_use_refuses_in_one_line_and_changes_nothing(tmp_path):
-  train.train_and_evaluate(small_config(steps=2), str(tmp_path), progress=False)
+  training.train_and_evaluate(small_config(steps=2), str(tmp_path), progress=False)
   before = snapshot(tmp_path)
   proc = _holder(tmp_path)
   try:
@@ -192,7 +193,7 @@ def test_the_quick_and_the_full_variant_follow_each_other_in_either_order(tmp_pa
 def trained(tmp_path_factory):
   """A workdir of small_config(steps=4): checkpoints 4, metrics, config.json."""
   d = tmp_path_factory.mktemp('trained')
-  train.train_and_evaluate(small_config(steps=4), str(d), progress=False)
+  training.train_and_evaluate(small_config(steps=4), str(d), progress=False)
   return d
 
 
@@ -218,7 +219,7 @@ def test_resuming_with_another_loss_or_data_order_is_refused_and_changes_nothing
   config.update_from_flattened_dict({field: value})
   before = snapshot(workdir)
   with pytest.raises(ValueError, match='holds a run with other settings') as e:
-    train.train_and_evaluate(config, str(workdir), progress=False)
+    training.train_and_evaluate(config, str(workdir), progress=False)
   assert shown in str(e.value) and '\n' not in str(e.value)
   assert snapshot(workdir) == before
 
@@ -227,7 +228,7 @@ def test_resuming_with_other_logging_eval_checkpoint_settings_and_more_steps_is_
   config = small_config(steps=6)
   config.train.log_every, config.train.eval_batches, config.ckpt.every_steps = 1, 2, 3
   config.eval.max_prompts, config.eval.enabled = 2, False
-  state, _ = train.train_and_evaluate(config, str(workdir), progress=False)
+  state, _ = training.train_and_evaluate(config, str(workdir), progress=False)
   assert int(state.step) == 6
   steps = [json.loads(l)['step'] for l in open(workdir / 'metrics.jsonl') if 'train/loss' in l]
   assert steps == [2, 4, 5, 6]
@@ -239,7 +240,7 @@ def test_max_to_keep_below_one_is_refused_before_anything_is_touched(workdir, ma
   config.ckpt.max_to_keep = max_to_keep
   before = snapshot(workdir)
   with pytest.raises(ValueError, match=rf'ckpt.max_to_keep={max_to_keep} must be an int >= 1'):
-    train.train_and_evaluate(config, str(workdir), progress=False)
+    training.train_and_evaluate(config, str(workdir), progress=False)
   assert snapshot(workdir) == before
   with pytest.raises(ValueError, match='ckpt.max_to_keep'):  # the sweep checks it before its first point
     experiment.run_sweep(config, [{}], str(workdir), str(workdir / 'report'))
@@ -251,7 +252,7 @@ def test_a_torn_last_metrics_line_is_dropped_with_one_warning(workdir, caplog):
   whole = path.read_bytes()
   path.write_bytes(whole + b'{"step": 5, "train/lo')  # a crash mid-write, after checkpoint 4
   with caplog.at_level(logging.WARNING):
-    train.train_and_evaluate(small_config(steps=6), str(workdir), progress=False)
+    training.train_and_evaluate(small_config(steps=6), str(workdir), progress=False)
   warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
   assert len(warnings) == 1 and 'metrics.jsonl, line' in warnings[0] and 'cut short' in warnings[0], warnings
   text = path.read_bytes()
@@ -265,7 +266,7 @@ def test_an_unreadable_metrics_line_before_the_last_is_refused_naming_the_line(w
   path.write_bytes(lines[0] + b'garbage\n' + b''.join(lines[1:]))
   before = snapshot(workdir)
   with pytest.raises(ValueError, match=r'metrics.jsonl, line 2: not a metrics record'):
-    train.train_and_evaluate(small_config(steps=6), str(workdir), progress=False)
+    training.train_and_evaluate(small_config(steps=6), str(workdir), progress=False)
   assert snapshot(workdir) == before
 
 
@@ -275,7 +276,7 @@ def test_checkpoints_without_config_json_are_refused_not_declared_damaged(workdi
   other = small_config(steps=8)
   other.model.dim = 48  # another model: its restore would fail, which used to move them aside
   with pytest.raises(ValueError, match='holds checkpoints but no config.json') as e:
-    train.train_and_evaluate(other, str(workdir), progress=False)
+    training.train_and_evaluate(other, str(workdir), progress=False)
   assert '\n' not in str(e.value)
   assert snapshot(workdir) == before
   assert not os.path.exists(f'{workdir}/checkpoints.unreadable')
@@ -284,14 +285,14 @@ def test_checkpoints_without_config_json_are_refused_not_declared_damaged(workdi
 def test_a_damaged_checkpoint_is_one_warning_line_not_a_traceback_per_array(tmp_path, capfd, caplog):
   workdir = tmp_path / 'run'
   config = small_config(steps=8)  # checkpoints 4 and 8
-  train.train_and_evaluate(config, str(workdir), progress=False)
+  training.train_and_evaluate(config, str(workdir), progress=False)
   data = workdir / 'checkpoints' / '8' / 'state' / 'd'
   for name in os.listdir(data):  # every data file of the newest checkpoint is lost
     os.remove(data / name)
   capfd.readouterr()
   config.train.steps = 10
   with caplog.at_level(logging.WARNING):
-    state, _ = train.train_and_evaluate(config, str(workdir), progress=False)
+    state, _ = training.train_and_evaluate(config, str(workdir), progress=False)
   assert int(state.step) == 10
   warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
   assert len(warnings) == 1 and 'checkpoint 8 is unreadable' in warnings[0], warnings
@@ -302,12 +303,12 @@ def test_a_damaged_checkpoint_is_one_warning_line_not_a_traceback_per_array(tmp_
 
 def test_evaluating_a_damaged_checkpoint_is_one_line_exit_2_and_leaves_it_in_place(tmp_path, capsys):
   workdir = tmp_path / 'run'
-  train.train_and_evaluate(small_config(steps=4), str(workdir), progress=False)
+  training.train_and_evaluate(small_config(steps=4), str(workdir), progress=False)
   data = workdir / 'checkpoints' / '4' / 'state' / 'd'
   for name in os.listdir(data):
     os.remove(data / name)
   with pytest.raises(ValueError) as info:
-    train.restore_model(str(workdir))
+    training.restore_model(str(workdir))
   assert cli.report(info.value, verbose=False) == 2
   (line,) = capsys.readouterr().err.splitlines()
   assert line.startswith('error: checkpoint 4 in ') and 'is unreadable' in line and 'resumes from' in line

@@ -3,7 +3,7 @@
 The README carries this table between two markers; a test keeps it equal to what this module
 generates, so the docs cannot drift from the code. Regenerate it with
 
-  python -m mtpd_jax.config_doc --write README.md
+  python -m experiments.config_doc --write README.md
 """
 
 import os
@@ -90,5 +90,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == '__main__':
-  from mtpd_jax import cli
+  from mtpd_jax.harness import cli
   cli.run(lambda: main(sys.argv))

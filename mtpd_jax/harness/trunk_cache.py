@@ -192,8 +192,10 @@ class TrunkCache:
         raise TrunkCacheError(f'the trunk cache needs {n * row_bytes / 2**30:.2f} GiB for {split} in '
                               f'{self.directory}, which has {free / 2**30:.2f} GiB free; free space or '
                               'name another train.trunk_cache_dir')
-      del_me = np.lib.format.open_memmap(path, mode='w+', dtype=stored, shape=(n, t, d))  # header, sparse body
-      del del_me
+      with open(path, 'wb') as f:  # the .npy header, then a sparse body that the rows below fill in
+        header = np.lib.format.header_data_from_array_1_0(np.empty((0,), stored))
+        np.lib.format.write_array_header_1_0(f, {**header, 'shape': (n, t, d)})
+        f.truncate(f.tell() + n * row_bytes)
     offset = np.load(path, mmap_mode='r').offset
     rows = self.config.data.batch_size
     bar = runtime.progress_bar(progress, done, n, desc=f'trunk cache ({split} records)')

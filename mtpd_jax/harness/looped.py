@@ -12,7 +12,8 @@ import os
 
 import ml_collections
 
-from mtpd_jax import train
+from mtpd_jax.harness import training
+
 
 
 def stage_configs(config: ml_collections.ConfigDict, workdir: str) -> list[tuple[ml_collections.ConfigDict, str]]:
@@ -37,5 +38,5 @@ def run_looped(config: ml_collections.ConfigDict, workdir: str, *, progress: boo
   result = None
   for stage_config, stage_dir in stage_configs(config, workdir):
     print(f'[looped] {stage_config.mtp.num_heads} heads -> {stage_dir}', flush=True)
-    result = train.train_and_evaluate(stage_config, stage_dir, progress=progress)
+    result = training.train_and_evaluate(stage_config, stage_dir, progress=progress)
   return result

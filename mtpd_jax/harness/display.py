@@ -59,8 +59,9 @@ def speculative_html(workdir: str, prompt_set: str = 'chat', index: int = 0, *, 
 
   Needs a text source (`data.source='embedded'`); draft_depth 0 drafts with all K heads.
   """
-  from mtpd_jax import decode, recipe, train  # pylint: disable=import-outside-toplevel
-  model, config = train.restore_model(workdir)
+  from mtpd_jax import decode  # pylint: disable=import-outside-toplevel
+  from mtpd_jax.harness import recipe, training
+  model, config = training.restore_model(workdir)
   if config.data.source != 'embedded':
     raise ValueError(f'{workdir} was trained on data.source={config.data.source!r}, which has no text to show')
   tok = recipe.embedded_data(config).tokenizer()

@@ -1,27 +1,17 @@
-"""Config -> library arguments: validation, model shape, β_k, loss knobs, frozen groups, optimizer, data.
-
-With train.py, the only reader of the ConfigDict; everything below it takes plain values.
-"""
+"""Config validation: every field against its rule, then what fields must agree on, the mesh and
+the files a run will read, so that bad input stops before any work with one line naming it."""
 
 import math
 import numbers
 import os
 from typing import Any, Callable, NamedTuple
 
-import jax
 import ml_collections
-import numpy as np
-import optax
-from flax import nnx
 
-from mtpd_jax import corpus, data, losses, sharding, trunk_cache
-from mtpd_jax.model import ModelConfig
-from mtpd_jax.moe import MoEConfig
-
-BETA_SCHEDULES = ('constant', 'exp_decay', 'linear_decay', 'linear_increase')
+from mtpd_jax import data, losses, sharding
+from mtpd_jax.harness import corpus, gguf_llama, prompts, recipe, trunk_cache
 
 
-# ---------------------------------------------------------------------------------------------
 # What every field of configs/base.py may hold. One rule per field, in base.py's order; a test
 # fails when a field has none. Each rule is (doc, bad): `bad(value, config)` returns None for a
 # good value, else what the value should be ('an int >= 1'), so the error names field, value and
@@ -188,7 +178,7 @@ FIELD_RULES: dict[str, Rule] = {
     'distill.kl': one_of(*losses.KL_DIRECTIONS),
     'distill.tau': real(0, lo_open=True),
     'distill.beta': Rule('None | finite number >= 0 | one per head', _beta),
-    'distill.beta_schedule': one_of(*BETA_SCHEDULES),
+    'distill.beta_schedule': one_of(*recipe.BETA_SCHEDULES),
     'distill.step_gamma': real(0, lo_open=True),
     'distill.teacher': one_of(*losses.TEACHERS),
     'distill.warmup_steps': integer(0),
@@ -261,7 +251,7 @@ def check_fields(config: ml_collections.ConfigDict) -> None:
   """Every field against its rule in FIELD_RULES; a field no rule knows is refused as a likely typo."""
   for name, value in _flat(config.to_dict()).items():
     if name not in FIELD_RULES:
-      raise ValueError(f'{name}={value!r} is not a field of configs/base.py (recipe.FIELD_RULES has no rule for it)')
+      raise ValueError(f'{name}={value!r} is not a field of configs/base.py (validation.FIELD_RULES has no rule for it)')
     should = FIELD_RULES[name].bad(value, config)
     if should is not None:
       raise ValueError(f'{name}={value!r} must be {should}')
@@ -290,7 +280,7 @@ def _check_cross_fields(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f'model.moe.top_k={m.moe.top_k} must lie in 1..model.moe.num_experts={m.moe.num_experts}')
   if m.moe.num_experts and m.moe.group_size and d.seq_len % m.moe.group_size:
     raise ValueError(f'model.moe.group_size={m.moe.group_size} does not divide data.seq_len={d.seq_len}')
-  resolve_beta(config)  # the schedule applied to the base β
+  recipe.step_config(config)  # β per head after its schedule; a fused loss that supports the settings
   if d.source == 'tokens' and not d.train_path:
     raise ValueError("data.source='tokens' needs data.train_path, a 1-D .npy file of token ids")
   if e.chat_template == 'on' and e.jsonl and d.source != 'embedded':
@@ -328,12 +318,11 @@ def _check_mesh(config: ml_collections.ConfigDict) -> None:
   if config.data.batch_size % data_parallel:
     raise ValueError(f'data.batch_size={config.data.batch_size} is not divisible by the {data_parallel}-way '
                      'data-parallel mesh axes')
-  model_config(config)  # ModelConfig and MoEConfig check their own shape constraints
+  recipe.model_config(config)  # ModelConfig and MoEConfig check their own shape constraints
 
 
 def _check_files(config: ml_collections.ConfigDict) -> None:
   """Token, prompt and GGUF files are read through once now, so a bad one stops the run before any work."""
-  from mtpd_jax import prompts
   d, e, m = config.data, config.eval, config.model
   if d.source == 'tokens':  # 'embedded' writes its own token file, checked as it builds it
     records = max(len(data.load_token_file(d.train_path, m.vocab_size)) - 1, 0) // d.seq_len
@@ -359,7 +348,6 @@ def _check_files(config: ml_collections.ConfigDict) -> None:
 
 def _validate_gguf(config: ml_collections.ConfigDict) -> None:
   """A GGUF `train.init_from` must be a readable llama checkpoint of this model's shape; likewise the tokenizer."""
-  from mtpd_jax import gguf_llama
   init_from, tok = config.train.init_from, config.data.tokenizer
   if gguf_llama.is_gguf(init_from):
     gguf_llama.check_model_config(config.model.to_dict(), init_from)
@@ -373,151 +361,3 @@ def _validate_gguf(config: ml_collections.ConfigDict) -> None:
     if gguf_llama.load_tokenizer(tok).vocab_size > config.model.vocab_size:
       raise ValueError(f'data.tokenizer={tok!r} has {gguf_llama.load_tokenizer(tok).vocab_size} tokens, '
                        f'more than model.vocab_size={config.model.vocab_size}')
-
-
-def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-  fields = config.model.to_dict()
-  moe = fields.pop('moe', {})  # workdirs saved before MoE existed have no model.moe
-  return ModelConfig(**fields, moe=MoEConfig(**moe), num_mtp_heads=config.mtp.num_heads)
-
-
-def resolve_beta(config: ml_collections.ConfigDict) -> tuple[float, ...]:
-  """β_k per head: explicit per-head values, or a base β shaped by `beta_schedule` over depth k."""
-  d, num_heads = config.distill, config.mtp.num_heads
-  if isinstance(d.beta, (list, tuple)):
-    if len(d.beta) != num_heads:
-      raise ValueError(f'distill.beta has {len(d.beta)} values for mtp.num_heads={num_heads}')
-    return tuple(float(b) for b in d.beta)
-  base = (1.0 if num_heads == 1 else 0.5) if d.beta is None else float(d.beta)  # Table 2's caption (K=1); design.md, "Choices"
-  weights = {'constant': lambda k: 1.0,
-             'exp_decay': lambda k: d.step_gamma ** (k - 1),
-             'linear_decay': lambda k: (num_heads - k + 1) / num_heads,
-             'linear_increase': lambda k: k / num_heads}
-  if d.beta_schedule not in weights:
-    raise ValueError(f'unknown distill.beta_schedule {d.beta_schedule!r}; expected one of {BETA_SCHEDULES}')
-  return tuple(base * weights[d.beta_schedule](k) for k in range(1, num_heads + 1))
-
-
-def loss_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  d = config.distill
-  return dict(ce_weight=config.mtp.ce_weight, beta=resolve_beta(config), distill=d.enabled,
-              top_n=d.top_n, top_n_mode=d.top_n_mode, renormalize=d.renormalize, kl=d.kl,
-              tau=d.tau, detach=d.detach, teacher=d.teacher, selection=d.selection)
-
-
-def trainable_labels(params: nnx.State, trainable) -> Any:
-  """'train' or 'frozen' for every parameter; `trainable` is 'all', 'mtp_heads' or 1-based head ids."""
-  if trainable == 'all':
-    return jax.tree.map(lambda _: 'train', params)
-  if trainable == 'mtp_heads':
-    heads = None
-  elif isinstance(trainable, (list, tuple)) and all(isinstance(k, int) for k in trainable):
-    heads = {k - 1 for k in trainable}
-  else:
-    raise ValueError(f"train.trainable={trainable!r}: expected 'all', 'mtp_heads' or a list of head indices")
-
-  def label(path, _):
-    keys = [getattr(p, 'key', None) for p in path]
-    is_head = keys[0] == 'mtp_heads' and (heads is None or keys[1] in heads)
-    return 'train' if is_head else 'frozen'
-  return jax.tree_util.tree_map_with_path(label, params)
-
-
-def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
-  t = config.train
-  warmup = max(1, int(t.warmup_frac * t.steps))
-  return optax.warmup_cosine_decay_schedule(0.0, t.lr, warmup, max(t.steps, warmup + 1),
-                                            end_value=t.lr * t.min_lr_frac)
-
-
-def make_optimizer(config: ml_collections.ConfigDict, labels) -> optax.GradientTransformation:
-  """AdamW per Table 4 with clipping; frozen parameters get no update and no optimizer moments."""
-  t = config.train
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norm scales
-  adamw = optax.chain(optax.clip_by_global_norm(t.clip_norm),
-                      optax.adamw(learning_rate(config), t.b1, t.b2, t.eps,
-                                  weight_decay=t.weight_decay, mask=decay_mask))
-  if all(label == 'train' for label in jax.tree.leaves(labels)):
-    return adamw
-  return optax.multi_transform({'train': adamw, 'frozen': optax.set_to_zero()}, labels)
-
-
-def embedded_data(config: ml_collections.ConfigDict):
-  """The embedded corpus and tokenizer (built once, then read from the cache)."""
-  d = config.data
-  return corpus.prepare_embedded(d.cache_dir or None, vocab_size=config.model.vocab_size,
-                                 max_chars=d.embedded_chars, code_fraction=d.code_fraction,
-                                 tokenizer=d.tokenizer)
-
-
-def make_source(config: ml_collections.ConfigDict, split: str):
-  """The train or held-out record source named by `config.data`."""
-  d = config.data
-  if d.source == 'synthetic':  # held-out records come from another seed of the same process
-    return data.SyntheticSource(config.model.vocab_size, d.seq_len, d.synthetic_records,
-                                seed=d.seed + (0 if split == 'train' else 1_000_003))
-  if d.source not in ('tokens', 'embedded'):
-    raise ValueError(f"unknown data.source {d.source!r}; expected 'synthetic', 'tokens' or 'embedded'")
-  path, eos_id = (d.train_path, d.eos_id) if d.source == 'tokens' else (
-      lambda e: (e.train_tokens_path, e.eos_id))(embedded_data(config))
-  cut = 1.0 - d.eval_fraction
-  return data.PackedTokens(path, d.seq_len, eos_id, config.model.vocab_size,
-                           split=(0.0, cut) if split == 'train' else (cut, 1.0))
-
-
-def make_trunk_cache(config: ml_collections.ConfigDict) -> trunk_cache.TrunkCache | None:
-  """The run's trunk-state cache (`train.trunk_cache`), unbuilt, or None."""
-  if not config.train.trunk_cache:
-    return None
-  return trunk_cache.TrunkCache(config, config.data.cache_dir or corpus.default_cache_dir())
-
-
-def make_data_iterator(config: ml_collections.ConfigDict, split: str,
-                       cache: trunk_cache.TrunkCache | None = None):
-  """Batches of `split`; with `cache` each record also carries its cached `trunk_hidden`."""
-  d = config.data
-  source = make_source(config, split)
-  source = cache.wrap(source, split) if cache else source
-  return data.make_iterator(source, global_batch=d.batch_size, seed=d.seed,
-                            shuffle=d.shuffle and split == 'train', process_index=jax.process_index(),
-                            process_count=jax.process_count())
-
-
-def use_chat_template(config: ml_collections.ConfigDict, tokenizer) -> bool:
-  """Whether text prompts of eval.jsonl files become chat user turns (`eval.chat_template`).
-
-  'auto': when the tokenizer carries a model's own chat template (an instruct GGUF model, which is
-  prompted that way); the BPE trained on the embedded text is a base model's and gets none.
-  """
-  mode = config.eval.chat_template
-  return mode == 'on' or (mode == 'auto' and tokenizer is not None and tokenizer.chat_template is not None)
-
-
-def prompt_sets(config: ml_collections.ConfigDict) -> dict[str, list[np.ndarray]]:
-  """Named prompt sets (token-id arrays) for the decoding evaluation.
-
-  `embedded`: the held-out `chat` (ShareGPT first turns, chat template), `code` (HumanEval) and
-  `math` (CHAMP) sets named in `eval.prompt_sets`. `synthetic`: starts of held-out records.
-  Extra sets come from `eval.jsonl` entries 'name=path' or 'name=path:field' (text needs the
-  embedded tokenizer; a field of token ids works with any source).
-  """
-  from mtpd_jax import prompts
-  e, source = config.eval, config.data.source
-  tok = embedded_data(config).tokenizer() if source == 'embedded' else None
-  sets = {}
-  if source == 'synthetic':
-    src = make_source(config, 'eval')
-    sets['synthetic'] = [src[i]['inputs'][:e.max_prompt_tokens] for i in range(min(e.max_prompts, len(src)))]
-  elif source == 'embedded':
-    for name in e.prompt_sets:
-      sets[name] = prompts.load_prompt_set(name, tokenizer=tok, max_prompts=e.max_prompts,
-                                           max_prompt_tokens=e.max_prompt_tokens, chat_template=name == 'chat')
-  for entry in e.jsonl:
-    name, _, spec = entry.partition('=')
-    path, _, field = spec.partition(':')
-    sets[name] = prompts.load_jsonl_prompts(path, tokenizer=tok, field=field or 'prompt', max_prompts=e.max_prompts,
-                                            max_prompt_tokens=e.max_prompt_tokens,
-                                            chat_template=use_chat_template(config, tok))
-  if not sets:
-    raise ValueError(f'no prompt sets for data.source={source!r}; name JSONL files in eval.jsonl')
-  return sets

@@ -15,7 +15,8 @@ import re
 import ml_collections
 import numpy as np
 
-from mtpd_jax import checkpoint, evaluate, looped, recipe, report, train, workdir_lock
+from mtpd_jax import checkpoint, workdir_lock
+from mtpd_jax.harness import evaluate, looped, recipe, report, training, validation
 
 SUMMARY = 'summary.json'
 
@@ -86,12 +87,12 @@ def _run_point(config, workdir, *, root, progress):
     bdir = config.train.init_from
     print(f'[base] plain LM, {config.base.steps} steps -> {bdir}', flush=True)
     with workdir_lock.hold(bdir, wait=True):  # another sweep may be training the same base
-      train.train_and_evaluate(base_config(config), bdir, progress=progress)
+      training.train_and_evaluate(base_config(config), bdir, progress=progress)
   if config.looped.schedule:
     _, final = looped.run_looped(config, workdir, progress=progress)
     model_dir = looped.stage_configs(config, workdir)[-1][1]
   else:
-    _, final = train.train_and_evaluate(config, workdir, progress=progress)
+    _, final = training.train_and_evaluate(config, workdir, progress=progress)
     model_dir = workdir
   num_heads = config.looped.schedule[-1] if config.looped.schedule else config.mtp.num_heads
   print(format_summary(final, num_heads), flush=True)
@@ -102,18 +103,20 @@ def _run_point(config, workdir, *, root, progress):
   return summary
 
 
-def evaluate_workdir(workdir: str, draft_depth: int | None = None, *, write: bool = True) -> dict:
+def evaluate_workdir(workdir: str, draft_depth: int | None = None, *, write: bool = True,
+                     defaults: ml_collections.ConfigDict | None = None) -> dict:
   """Speculative decoding of the workdir's model on its config's prompt sets; writes eval.json/.md/.png
-  (unless `write` is False, e.g. for another draft depth than the run's own report).
+  (unless `write` is False, e.g. for another draft depth than the run's own report). `defaults`
+  fill the config fields that a workdir of an older version lacks (training.saved_config).
 
   Refuses (workdir_lock.WorkdirLocked) a workdir that another process is training.
   """
   with workdir_lock.hold(workdir, create=False):
-    return _evaluate_workdir(workdir, draft_depth, write=write)
+    return _evaluate_workdir(workdir, draft_depth, write=write, defaults=defaults)
 
 
-def _evaluate_workdir(workdir, draft_depth, *, write):
-  model, config = train.restore_model(workdir)
+def _evaluate_workdir(workdir, draft_depth, *, write, defaults):
+  model, config = training.restore_model(workdir, defaults=defaults)
   depth = draft_depth or config.eval.draft_depth or config.mtp.num_heads
   it = recipe.make_data_iterator(config, 'eval')
   heldout = evaluate.heldout_metrics(model, (next(it) for _ in range(config.train.eval_batches)))
@@ -202,13 +205,13 @@ def run_sweep(config: ml_collections.ConfigDict, sweep: list[dict], workdir: str
     for s in range(config.seeds):
       c = with_seed(config, s)
       c.update_from_flattened_dict(overrides)
-      recipe.validate_config(c)  # every point, before any of them starts
+      validation.validate_config(c)  # every point, before any of them starts
       runs.append((i, s, label, c))
   for i, s, label, c in runs:
     run_dir = _point_dir(workdir, i, s, len(points), config.seeds)
     tag = f'[{label}{"" if config.seeds == 1 else f" seed {s}"}]'
     summary_path = os.path.join(run_dir, SUMMARY)
-    train.check_workdir(with_base(c, root), run_dir)
+    training.check_workdir(with_base(c, root), run_dir)
     if os.path.exists(summary_path):  # a rerun skips finished points, if they are this config's
       with open(summary_path) as f:
         if json.load(f).get('config') != _digest(c.to_json()):

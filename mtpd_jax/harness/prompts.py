@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mtpd_jax import corpus
+from mtpd_jax.harness import corpus
 
 PROMPT_SETS = corpus.PROMPT_SETS
 

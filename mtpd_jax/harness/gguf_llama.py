@@ -17,7 +17,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mtpd_jax import tokenizer as tokenizer_lib
+from mtpd_jax.harness import tokenizer as tokenizer_lib
+from mtpd_jax.harness.packages import package_file
 from mtpd_jax.model import ModelConfig, MTPTransformer
 
 # (import name, data file inside the package, pip requirement)
@@ -38,8 +39,7 @@ def is_gguf(ref: str) -> bool:
 def resolve(ref: str) -> str:
   """The file a reference names; an alias is located inside its package without importing it."""
   if ref in ALIASES:
-    from mtpd_jax import corpus  # pylint: disable=import-outside-toplevel
-    return corpus.package_file(ALIASES[ref])
+    return package_file(ALIASES[ref])
   if not os.path.isfile(ref):
     raise FileNotFoundError(f'GGUF file {ref} does not exist')
   return ref

@@ -1,0 +1,161 @@
+"""Config -> the core's frozen settings: model shape, β_k, the loss and step settings, the optimizer,
+data sources and iterators, prompt sets. Reading a ConfigDict stops here: the core takes what
+these functions return (docs/design.md, "Two layers").
+"""
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+
+from mtpd_jax import data, losses, train
+from mtpd_jax.harness import corpus, prompts, trunk_cache
+from mtpd_jax.model import ModelConfig
+from mtpd_jax.moe import MoEConfig
+
+BETA_SCHEDULES = ('constant', 'exp_decay', 'linear_decay', 'linear_increase')
+
+
+def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+  fields = config.model.to_dict()
+  moe = fields.pop('moe', {})  # workdirs saved before MoE existed have no model.moe
+  return ModelConfig(**fields, moe=MoEConfig(**moe), num_mtp_heads=config.mtp.num_heads)
+
+
+def resolve_beta(config: ml_collections.ConfigDict) -> tuple[float, ...]:
+  """β_k per head: explicit per-head values, or a base β shaped by `beta_schedule` over depth k."""
+  d, num_heads = config.distill, config.mtp.num_heads
+  if isinstance(d.beta, (list, tuple)):
+    if len(d.beta) != num_heads:
+      raise ValueError(f'distill.beta has {len(d.beta)} values for mtp.num_heads={num_heads}')
+    return tuple(float(b) for b in d.beta)
+  base = (1.0 if num_heads == 1 else 0.5) if d.beta is None else float(d.beta)  # Table 2's caption (K=1); design.md, "Choices"
+  weights = {'constant': lambda k: 1.0,
+             'exp_decay': lambda k: d.step_gamma ** (k - 1),
+             'linear_decay': lambda k: (num_heads - k + 1) / num_heads,
+             'linear_increase': lambda k: k / num_heads}
+  if d.beta_schedule not in weights:
+    raise ValueError(f'unknown distill.beta_schedule {d.beta_schedule!r}; expected one of {BETA_SCHEDULES}')
+  return tuple(base * weights[d.beta_schedule](k) for k in range(1, num_heads + 1))
+
+
+def loss_config(config: ml_collections.ConfigDict) -> losses.LossConfig:
+  d = config.distill
+  return losses.LossConfig(ce_weight=config.mtp.ce_weight, beta=resolve_beta(config), distill=d.enabled,
+                           top_n=d.top_n, top_n_mode=d.top_n_mode, renormalize=d.renormalize, kl=d.kl,
+                           tau=d.tau, detach=d.detach, teacher=d.teacher, selection=d.selection)
+
+
+def step_config(config: ml_collections.ConfigDict) -> train.StepConfig:
+  return train.StepConfig(loss=loss_config(config), isolate_trunk=config.mtp.isolate_trunk,
+                          kl_warmup_steps=config.distill.warmup_steps,
+                          loss_chunk_rows=config.train.loss_chunk_rows,
+                          skip_nonfinite=config.train.on_nan == 'skip')
+
+
+def loop_config(config: ml_collections.ConfigDict) -> train.LoopConfig:
+  t = config.train
+  return train.LoopConfig(steps=t.steps, log_every=t.log_every, eval_every=t.eval_every,
+                          eval_batches=t.eval_batches, ckpt_every=config.ckpt.every_steps,
+                          max_to_keep=config.ckpt.max_to_keep,
+                          tokens_per_step=config.data.batch_size * config.data.seq_len,
+                          raise_on_nan=t.on_nan != 'skip')
+
+
+def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
+  t = config.train
+  warmup = max(1, int(t.warmup_frac * t.steps))
+  return optax.warmup_cosine_decay_schedule(0.0, t.lr, warmup, max(t.steps, warmup + 1),
+                                            end_value=t.lr * t.min_lr_frac)
+
+
+def make_optimizer(config: ml_collections.ConfigDict, labels) -> optax.GradientTransformation:
+  """AdamW per Table 4 with clipping; frozen parameters get no update and no optimizer moments."""
+  t = config.train
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norm scales
+  adamw = optax.chain(optax.clip_by_global_norm(t.clip_norm),
+                      optax.adamw(learning_rate(config), t.b1, t.b2, t.eps,
+                                  weight_decay=t.weight_decay, mask=decay_mask))
+  if all(label == 'train' for label in jax.tree.leaves(labels)):
+    return adamw
+  return optax.multi_transform({'train': adamw, 'frozen': optax.set_to_zero()}, labels)
+
+
+def embedded_data(config: ml_collections.ConfigDict):
+  """The embedded corpus and tokenizer (built once, then read from the cache)."""
+  d = config.data
+  return corpus.prepare_embedded(d.cache_dir or None, vocab_size=config.model.vocab_size,
+                                 max_chars=d.embedded_chars, code_fraction=d.code_fraction,
+                                 tokenizer=d.tokenizer)
+
+
+def make_source(config: ml_collections.ConfigDict, split: str):
+  """The train or held-out record source named by `config.data`."""
+  d = config.data
+  if d.source == 'synthetic':  # held-out records come from another seed of the same process
+    return data.SyntheticSource(config.model.vocab_size, d.seq_len, d.synthetic_records,
+                                seed=d.seed + (0 if split == 'train' else 1_000_003))
+  if d.source not in ('tokens', 'embedded'):
+    raise ValueError(f"unknown data.source {d.source!r}; expected 'synthetic', 'tokens' or 'embedded'")
+  path, eos_id = (d.train_path, d.eos_id) if d.source == 'tokens' else (
+      lambda e: (e.train_tokens_path, e.eos_id))(embedded_data(config))
+  cut = 1.0 - d.eval_fraction
+  return data.PackedTokens(path, d.seq_len, eos_id, config.model.vocab_size,
+                           split=(0.0, cut) if split == 'train' else (cut, 1.0))
+
+
+def make_trunk_cache(config: ml_collections.ConfigDict) -> trunk_cache.TrunkCache | None:
+  """The run's trunk-state cache (`train.trunk_cache`), unbuilt, or None."""
+  if not config.train.trunk_cache:
+    return None
+  return trunk_cache.TrunkCache(config, config.data.cache_dir or corpus.default_cache_dir())
+
+
+def make_data_iterator(config: ml_collections.ConfigDict, split: str,
+                       cache: trunk_cache.TrunkCache | None = None):
+  """Batches of `split`; with `cache` each record also carries its cached `trunk_hidden`."""
+  d = config.data
+  source = make_source(config, split)
+  source = cache.wrap(source, split) if cache else source
+  return data.make_iterator(source, global_batch=d.batch_size, seed=d.seed,
+                            shuffle=d.shuffle and split == 'train', process_index=jax.process_index(),
+                            process_count=jax.process_count())
+
+
+def use_chat_template(config: ml_collections.ConfigDict, tokenizer) -> bool:
+  """Whether text prompts of eval.jsonl files become chat user turns (`eval.chat_template`).
+
+  'auto': when the tokenizer carries a model's own chat template (an instruct GGUF model, which is
+  prompted that way); the BPE trained on the embedded text is a base model's and gets none.
+  """
+  mode = config.eval.chat_template
+  return mode == 'on' or (mode == 'auto' and tokenizer is not None and tokenizer.chat_template is not None)
+
+
+def prompt_sets(config: ml_collections.ConfigDict) -> dict[str, list[np.ndarray]]:
+  """Named prompt sets (token-id arrays) for the decoding evaluation.
+
+  `embedded`: the held-out `chat` (ShareGPT first turns, chat template), `code` (HumanEval) and
+  `math` (CHAMP) sets named in `eval.prompt_sets`. `synthetic`: starts of held-out records.
+  Extra sets come from `eval.jsonl` entries 'name=path' or 'name=path:field' (text needs the
+  embedded tokenizer; a field of token ids works with any source).
+  """
+  e, source = config.eval, config.data.source
+  tok = embedded_data(config).tokenizer() if source == 'embedded' else None
+  sets = {}
+  if source == 'synthetic':
+    src = make_source(config, 'eval')
+    sets['synthetic'] = [src[i]['inputs'][:e.max_prompt_tokens] for i in range(min(e.max_prompts, len(src)))]
+  elif source == 'embedded':
+    for name in e.prompt_sets:
+      sets[name] = prompts.load_prompt_set(name, tokenizer=tok, max_prompts=e.max_prompts,
+                                           max_prompt_tokens=e.max_prompt_tokens, chat_template=name == 'chat')
+  for entry in e.jsonl:
+    name, _, spec = entry.partition('=')
+    path, _, field = spec.partition(':')
+    sets[name] = prompts.load_jsonl_prompts(path, tokenizer=tok, field=field or 'prompt', max_prompts=e.max_prompts,
+                                            max_prompt_tokens=e.max_prompt_tokens,
+                                            chat_template=use_chat_template(config, tok))
+  if not sets:
+    raise ValueError(f'no prompt sets for data.source={source!r}; name JSONL files in eval.jsonl')
+  return sets
