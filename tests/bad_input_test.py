@@ -18,6 +18,29 @@ def _run(args, timeout=120):
                         capture_output=True, text=True, timeout=timeout)
 
 
+def _run_in_process(args, capsys) -> tuple[int, str]:
+  """(exit status, stderr) of `python -m experiments.run ARGS`, run in this process: the entry
+  point's own code path (absl flags, cli.run's one-line handler) without a Python start per case.
+  tests/validation_test.py runs each entry point once as a real subprocess."""
+  from absl import flags
+  from experiments import run as run_cli
+  def reset():  # absl keeps values of an earlier parse, and config_flags defines a flag per override
+    flags.FLAGS.unparse_flags()
+    for name in [n for n in flags.FLAGS if n.startswith('config.')]:
+      delattr(flags.FLAGS, name)
+  argv = sys.argv
+  reset()
+  sys.argv = ['experiments.run', *args]
+  capsys.readouterr()
+  try:
+    with pytest.raises(SystemExit) as exit_info:
+      run_cli.run()
+  finally:
+    sys.argv = argv
+    reset()
+  return exit_info.value.code, capsys.readouterr().err
+
+
 def _snapshot(directory):
   out = {}
   for root, _, files in os.walk(directory):
@@ -61,7 +84,7 @@ CASES = [  # (extra arguments, text the one-line message must contain)
     (['--config.train.loss_chunk_rows=-1'], 'train.loss_chunk_rows=-1'),
     (['--config.model.dtype=float8'], 'model.dtype'),
     (['--config.looped.schedule=(4,2)'], 'looped.schedule'),
-    (['--config.mesh.shape=(3,1,1)'], 'mesh.shape'),
+    (['--config.mesh.shape=(16,1,1)'], 'mesh.shape'),
     (['--config.mesh.axes=("data","fsdp","tensor")'], 'mesh.axes'),
     (['--config.data.batch_size=7'], 'not divisible'),
     (['--config.data.seq_len=4096'], 'data.seq_len=4096 must be an int in [1, model.max_seq_len=128]'),
@@ -81,15 +104,15 @@ CASES = [  # (extra arguments, text the one-line message must contain)
 
 
 @pytest.mark.parametrize('args,message', CASES, ids=[' '.join(a)[:60] for a, _ in CASES])
-def test_bad_input_is_one_line_exit_2_and_leaves_the_workdir_unchanged(files, args, message):
+def test_bad_input_is_one_line_exit_2_and_leaves_the_workdir_unchanged(files, args, message, capsys):
   d, workdir = files
   before = _snapshot(workdir)
   config = [a for a in args if a.startswith('--config=')] or ['--config=tiny']
   rest = [a.format(d=d) for a in args if not a.startswith('--config=')]
-  proc = _run([*config, f'--workdir={workdir}', *rest])
-  assert proc.returncode == 2, proc.stderr[-2000:]
-  lines = [line for line in proc.stderr.splitlines() if line.strip()]
-  assert len(lines) == 1 and lines[0].startswith('error: ') and message in lines[0], proc.stderr[-2000:]
+  code, stderr = _run_in_process([*config, f'--workdir={workdir}', *rest], capsys)
+  assert code == 2, stderr[-2000:]
+  lines = [line for line in stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith('error: ') and message in lines[0], stderr[-2000:]
   assert _snapshot(workdir) == before
 
 
