@@ -198,23 +198,25 @@ class Block(nnx.Module):
     else:
       self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None, *, dropless: bool = True):
-    """(x, cache, routing stats or None); `dropless=False` applies the experts' capacity limit."""
+  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None, *, dropless: bool = True,
+               move_bias: bool = False):
+    """(x, cache, routing stats or None); `dropless=False` applies the experts' capacity limit and
+    `move_bias` moves the router's balancing bias (moe.MoE)."""
     attn_BxTxD, cache = self.attn(self.attn_norm(x_BxTxD), positions_BxT, mask_BxTxS, cache)
     x_BxTxD = x_BxTxD + attn_BxTxD
     h_BxTxD = self.mlp_norm(x_BxTxD)
     if not hasattr(self, 'moe'):
       return x_BxTxD + self.mlp(h_BxTxD), cache, None
-    ffn_BxTxD, stats = self.moe(h_BxTxD, dropless=dropless)
+    ffn_BxTxD, stats = self.moe(h_BxTxD, dropless=dropless, move_bias=move_bias)
     if hasattr(self, 'shared_mlp'):
       ffn_BxTxD = ffn_BxTxD + self.shared_mlp(h_BxTxD)
     return x_BxTxD + ffn_BxTxD, cache, stats
 
 
-def _run_block(block: Block, remat: bool, *args, dropless: bool = True):
+def _run_block(block: Block, remat: bool, *args, **moe_flags):
   if remat:
-    return nnx.remat(lambda blk, *a: blk(*a, dropless=dropless))(block, *args)
-  return block(*args, dropless=dropless)
+    return nnx.remat(lambda blk, *a: blk(*a, **moe_flags))(block, *args)
+  return block(*args, **moe_flags)
 
 
 class MTPHead(nnx.Module):
@@ -228,19 +230,20 @@ class MTPHead(nnx.Module):
     self.remat = cfg.remat
 
   def __call__(self, h_prev_BxTxD, emb_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None, *,
-               dropless: bool = True):
+               dropless: bool = True, move_bias: bool = False):
     """(h^k, cache, routing stats or None)."""
     dt = h_prev_BxTxD.dtype
     x_BxTx2D = jnp.concatenate([self.hidden_norm(h_prev_BxTxD), self.embed_norm(emb_BxTxD)], axis=-1)
     x_BxTxD = jnp.einsum('btc,cd->btd', x_BxTx2D, self.proj[...].astype(dt))
-    return _run_block(self.block, self.remat, x_BxTxD, positions_BxT, mask_BxTxS, cache, dropless=dropless)
+    return _run_block(self.block, self.remat, x_BxTxD, positions_BxT, mask_BxTxS, cache, dropless=dropless,
+                      move_bias=move_bias)
 
 
 class ModelOutput(NamedTuple):
   logits_BxTxV: jax.Array             # main head, f32; position i predicts token i+1
   mtp_logits_KxBxTxV: jax.Array       # head k at i predicts token i+k+1; the last k positions are padding
   hidden_K1xBxTxD: jax.Array          # h^0 (trunk, before the final norm) and h^1..h^K
-  aux: dict | None = None             # MoE: moe.summarize's loss, metrics and router-bias steps
+  aux: dict | None = None             # MoE: moe.summarize's balancing loss and load metrics
 
 
 def _positions_and_mask(tokens_BxT, segment_ids_BxT):
@@ -269,14 +272,15 @@ class MTPTransformer(nnx.Module):
     x_BxTxD, new_caches, _ = self._trunk(tokens_BxT, positions_BxT, mask_BxTxS, caches, dropless=True)
     return x_BxTxD, new_caches
 
-  def _trunk(self, tokens_BxT, positions_BxT, mask_BxTxS, caches, *, dropless: bool):
+  def _trunk(self, tokens_BxT, positions_BxT, mask_BxTxS, caches, *, dropless: bool, move_bias: bool = False):
     x_BxTxD = self.embed_tokens(tokens_BxT)
-    new_caches, stats = [], {}
+    new_caches, stats = [], []
     for layer, block in enumerate(self.blocks):
       cache = None if caches is None else caches[layer]
-      x_BxTxD, cache, stats[f'blocks/{layer}/moe/router_bias'] = _run_block(
-          block, self.cfg.remat, x_BxTxD, positions_BxT, mask_BxTxS, cache, dropless=dropless)
+      x_BxTxD, cache, layer_stats = _run_block(block, self.cfg.remat, x_BxTxD, positions_BxT, mask_BxTxS, cache,
+                                               dropless=dropless, move_bias=move_bias)
       new_caches.append(cache)
+      stats.append(layer_stats)
     return x_BxTxD, (None if caches is None else new_caches), stats
 
   def unembedding(self):
@@ -306,27 +310,31 @@ class MTPTransformer(nnx.Module):
     return self._trunk(tokens_BxT, positions_BxT, mask_BxTxS, None, dropless=False)[0]
 
   def __call__(self, tokens_BxT, segment_ids_BxT=None, *, isolate_trunk: bool = False,
-               trunk_hidden_BxTxD=None) -> ModelOutput:
+               trunk_hidden_BxTxD=None, move_router_biases: bool = False) -> ModelOutput:
     """Teacher-forced forward of the main head and all K heads over one (packed) sequence batch.
 
     This is the training forward: MoE layers apply their capacity limit (`moe.capacity_factor`).
     `trunk_hidden_BxTxD`: h^0 from `trunk_hidden` (a frozen trunk's cached states), skipping the
     trunk; only the heads and the output head then run (dense models: the trunk routers' terms
-    would be missing from an MoE's aux loss).
+    would be missing from an MoE's aux loss). `move_router_biases` (the train step's forward) moves
+    each MoE router's balancing bias by its step (moe.RouterBias).
     """
     b, t = tokens_BxT.shape
     positions_BxT, mask_BxTxS = _positions_and_mask(tokens_BxT, segment_ids_BxT)
     if trunk_hidden_BxTxD is None:
-      h_BxTxD, _, stats = self._trunk(tokens_BxT, positions_BxT, mask_BxTxS, None, dropless=False)
+      h_BxTxD, _, stats = self._trunk(tokens_BxT, positions_BxT, mask_BxTxS, None, dropless=False,
+                                      move_bias=move_router_biases)
     else:
-      h_BxTxD, stats = trunk_hidden_BxTxD.astype(jnp.dtype(self.cfg.dtype)), {}
+      h_BxTxD, stats = trunk_hidden_BxTxD.astype(jnp.dtype(self.cfg.dtype)), []
     logits_BxTxV = self.logits(h_BxTxD)
     hiddens, mtp_logits = [h_BxTxD], []
     # isolate_trunk: the MTP losses then train the heads but never move the trunk's hidden state.
     h_prev_BxTxD = jax.lax.stop_gradient(h_BxTxD) if isolate_trunk else h_BxTxD
     for k in range(1, self.cfg.num_mtp_heads + 1):
-      h_prev_BxTxD, _, stats[f'mtp_heads/{k - 1}/block/moe/router_bias'] = self.mtp_heads[k - 1](
-          h_prev_BxTxD, self.embed_tokens(shift_left(tokens_BxT, k)), positions_BxT, mask_BxTxS, dropless=False)
+      h_prev_BxTxD, _, head_stats = self.mtp_heads[k - 1](
+          h_prev_BxTxD, self.embed_tokens(shift_left(tokens_BxT, k)), positions_BxT, mask_BxTxS, dropless=False,
+          move_bias=move_router_biases)
+      stats.append(head_stats)
       hiddens.append(h_prev_BxTxD)
       mtp_logits.append(self.logits(h_prev_BxTxD))
     mtp_logits_KxBxTxV = (jnp.stack(mtp_logits) if mtp_logits

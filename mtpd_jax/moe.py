@@ -9,7 +9,9 @@ renormalised to sum to 1 (`renormalize_gates`). Balancing, either or both:
     pick expert x and P_x its mean router probability; 1 when even. Weighted by `aux_loss_weight`.
   * bias (DeepSeek-V3 "aux-loss-free"): a per-expert bias added to the scores for *choosing* only
     (gates come from the unbiased probabilities); after each step it moves by `bias_update_rate`
-    toward even load: b_x += rate · sign(1/X − f_x). It is a parameter with zero gradient.
+    toward even load: b_x += rate · sign(1/X − f_x). It is a `RouterBias` parameter with zero
+    gradient: the training forward moves it (`move_bias`) and train_step keeps the moved value,
+    selecting the biases by that type, never by their paths.
 Dispatch:
   * capacity (`capacity_factor` > 0), used by the training forward: each sequence is cut into
     groups of M tokens (`group_size`, 0 = the whole sequence); expert x takes at most
@@ -65,8 +67,12 @@ _expert_init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'truncated_norma
                                                  batch_axis=(0,))
 
 
-def _param(rngs: nnx.Rngs, init, shape, axes) -> nnx.Param:
-  return nnx.Param(init(rngs.params(), shape, jnp.float32), axes=axes)
+class RouterBias(nnx.Param):
+  """A router's balancing bias (DeepSeek-V3): chooses experts, gets no gradient, moved by the forward."""
+
+
+def _param(rngs: nnx.Rngs, init, shape, axes, kind=nnx.Param) -> nnx.Param:
+  return kind(init(rngs.params(), shape, jnp.float32), axes=axes)
 
 
 def route(logits_NxX, bias_X, top_k: int, renormalize: bool):
@@ -117,7 +123,7 @@ class MoE(nnx.Module):
     x, f = cfg.num_experts, cfg.expert_dim
     self.cfg = cfg
     self.w_router = _param(rngs, nnx.initializers.normal(0.02), (dim, x), ('embed', None))
-    self.router_bias = _param(rngs, nnx.initializers.zeros, (x,), (None,))  # moved by train_step only
+    self.router_bias = _param(rngs, nnx.initializers.zeros, (x,), (None,), RouterBias)
     self.w_gate = _param(rngs, _expert_init, (x, dim, f), ('expert', 'embed', 'mlp'))
     self.w_up = _param(rngs, _expert_init, (x, dim, f), ('expert', 'embed', 'mlp'))
     self.w_down = _param(rngs, _expert_init, (x, f, dim), ('expert', 'mlp', 'embed'))
@@ -128,8 +134,12 @@ class MoE(nnx.Module):
     up = jnp.einsum('xucd,xdf->xucf', x_XxUxCxD, self.w_up[...].astype(dt))
     return jnp.einsum('xucf,xfd->xucd', jax.nn.silu(gate) * up, self.w_down[...].astype(dt))
 
-  def __call__(self, x_BxTxD, *, dropless: bool = True):
-    """(output BxTxD, routing stats); `dropless=False` applies the capacity limit (training)."""
+  def __call__(self, x_BxTxD, *, dropless: bool = True, move_bias: bool = False):
+    """(output BxTxD, routing stats); `dropless=False` applies the capacity limit (training).
+
+    `move_bias` (the train step's forward) then moves `router_bias` by its balancing step, after
+    routing with the old value, as BatchNorm's training forward moves its statistics.
+    """
     cfg, dt = self.cfg, x_BxTxD.dtype
     b, t, d = x_BxTxD.shape
     logits_BxTxX = jnp.einsum('btd,dx->btx', x_BxTxD.astype(jnp.float32), self.w_router[...])
@@ -160,52 +170,43 @@ class MoE(nnx.Module):
     n = b * t
     stats = routing_stats(idx_BxTxA.reshape(n, -1), probs_BxTxX.reshape(n, -1), keep_BxTxA.reshape(n, -1),
                           valid_BxT.reshape(n), cfg.bias_update_rate)
+    if move_bias and cfg.bias_update_rate:
+      self.router_bias[...] = self.router_bias[...] + stats['bias_delta_X']
     return out_BxTxD, stats
 
 
 # ---------------------------------------------------------------------------------------------
-# Training-side helpers: the model's routing terms into the loss, metrics and the bias update.
+# Training-side helpers: the model's routing terms into the loss and metrics, and the moved biases.
 
 
-def summarize(stats_by_bias_path: dict[str, dict], cfg: MoEConfig) -> dict:
-  """The model's `aux` output from each MoE layer's stats (keyed by its router_bias parameter path).
+def summarize(stats: list[dict], cfg: MoEConfig) -> dict:
+  """The model's `aux` output from its MoE layers' stats.
 
   `loss`: the weighted balancing loss to add to the training loss; `metrics`: its unweighted
   mean over layers (`moe/aux_loss`), the busiest expert's load relative to even (`moe/max_load`,
   1 = balanced) and the share of routed choices dropped by capacity (`moe/dropped_frac`), both
-  averaged over layers; `router_bias_delta`: each layer's bias step (none without bias balancing).
+  averaged over layers.
   """
-  layers = list(stats_by_bias_path.values())
-  mean = lambda key: jnp.mean(jnp.stack([s[key] for s in layers]))
+  mean = lambda key: jnp.mean(jnp.stack([s[key] for s in stats]))
   return {'loss': cfg.aux_loss_weight * mean('aux_loss'),
           'metrics': {'moe/aux_loss': mean('aux_loss'), 'moe/max_load': mean('max_load'),
-                      'moe/dropped_frac': mean('dropped_frac')},
-          'router_bias_delta': ({p: s['bias_delta_X'] for p, s in stats_by_bias_path.items()}
-                                if cfg.bias_update_rate else {})}
+                      'moe/dropped_frac': mean('dropped_frac')}}
 
 
-def add_router_terms(loss, metrics: dict, aux: dict | None, *, with_bias_delta: bool = False):
-  """(loss + balancing loss, metrics + moe/* metrics); `train/loss` stays the MTP-D loss alone.
-
-  With `with_bias_delta`, metrics also carries the per-layer bias steps under
-  'moe/router_bias_delta' (a dict, for train_step to pop before the metrics leave the step).
-  """
+def add_router_terms(loss, metrics: dict, aux: dict | None):
+  """(loss + balancing loss, metrics + moe/* metrics); `train/loss` stays the MTP-D loss alone."""
   if not aux:
     return loss, metrics
-  metrics = {**metrics, **aux['metrics']}
-  if with_bias_delta:
-    metrics['moe/router_bias_delta'] = aux['router_bias_delta']
-  return loss + aux['loss'], metrics
+  return loss + aux['loss'], {**metrics, **aux['metrics']}
 
 
-def param_path(path) -> str:
-  """'blocks/0/moe/router_bias' for a parameter's key path in an nnx.State."""
-  return '/'.join(str(getattr(p, 'key', None)) for p in path if getattr(p, 'key', None) is not None)
+def keep_moved_biases(updated: nnx.State, before: nnx.State, moved: nnx.State, labels) -> nnx.State:
+  """`updated` (the optimizer's result) plus each trainable router bias's step in the forward.
 
-
-def apply_router_bias_delta(params, deltas: dict, labels):
-  """`params` with each trainable router bias moved by its step (DeepSeek-V3 balancing)."""
-  def one(path, p, label):
-    delta = deltas.get(param_path(path))
-    return p if delta is None or label != 'train' else p + delta.astype(p.dtype)
-  return jax.tree_util.tree_map_with_path(one, params, labels)
+  `moved` holds the `RouterBias` values after a `move_bias` forward from `before`.
+  """
+  if not jax.tree.leaves(moved):
+    return updated
+  pick = lambda tree: nnx.filter_state(tree, RouterBias)
+  step = lambda new, old, upd, label: upd + (new - old) if label == 'train' else upd
+  return nnx.merge_state(updated, jax.tree.map(step, moved, pick(before), pick(updated), pick(labels)))

@@ -132,12 +132,17 @@ def fused_grad_flags(labels) -> dict[str, bool]:
   return dict(w_grad=top.get('unembed', top.get('embed', True)), main_grad=any(below_main))
 
 
-def forward_loss(params, graphdef, batch, cfg: StepConfig, *, beta_scale, router_bias_delta=False,
+def forward_loss(params, graphdef, batch, cfg: StepConfig, *, beta_scale, move_router_biases=False,
                  grad_flags=None):
-  """(loss, metrics) of one batch; MoE adds its router terms."""
+  """(loss, (metrics, router biases)) of one batch; MoE adds its router terms.
+
+  The router biases (moe.RouterBias) are those after the forward: moved by their balancing step
+  with `move_router_biases`, as they came otherwise; an empty State for a dense model.
+  """
   model = nnx.merge(graphdef, params)
   out = model(batch['inputs'], batch['segment_ids'], isolate_trunk=cfg.isolate_trunk,
-              trunk_hidden_BxTxD=batch.get('trunk_hidden'))  # a frozen trunk's cached states
+              trunk_hidden_BxTxD=batch.get('trunk_hidden'),  # a frozen trunk's cached states
+              move_router_biases=move_router_biases)
   labels = (batch['targets'], batch['segment_ids'], batch['target_segment_ids'])
   if cfg.loss_chunk_rows:
     # The loss reads the final-normed hidden states and the unembedding in row chunks; the model's
@@ -149,8 +154,9 @@ def forward_loss(params, graphdef, batch, cfg: StepConfig, *, beta_scale, router
   else:
     loss, metrics = losses.mtp_d_loss(out.logits_BxTxV, out.mtp_logits_KxBxTxV, *labels, cfg.loss,
                                       beta_scale=beta_scale)
-  # MoE: + the router's balancing loss; moe/* load metrics (and, for train_step, the bias steps).
-  return moe.add_router_terms(loss, metrics, out.aux, with_bias_delta=router_bias_delta)
+  # MoE: + the router's balancing loss and moe/* load metrics.
+  loss, metrics = moe.add_router_terms(loss, metrics, out.aux)
+  return loss, (metrics, nnx.state(model, moe.RouterBias))
 
 
 def train_step(state: TrainState, batch, *, cfg: StepConfig, labels, schedule: optax.Schedule):
@@ -160,14 +166,13 @@ def train_step(state: TrainState, batch, *, cfg: StepConfig, labels, schedule: o
   def loss_fn(params):
     # Frozen parameters get no gradient at all, so XLA drops their backward pass.
     params = jax.tree.map(lambda p, l: p if l == 'train' else jax.lax.stop_gradient(p), params, labels)
-    return forward_loss(params, state.graphdef, batch, cfg, beta_scale=beta_scale, router_bias_delta=True,
+    return forward_loss(params, state.graphdef, batch, cfg, beta_scale=beta_scale, move_router_biases=True,
                         grad_flags=fused_grad_flags(labels))
-  (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-  bias_delta = metrics.pop('moe/router_bias_delta', None)
+  (_, (metrics, biases)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  if bias_delta:  # MoE with bias balancing: each router bias steps toward even load (zero gradient)
-    params = moe.apply_router_bias_delta(params, bias_delta, labels)
+  # MoE with bias balancing: each router bias steps toward even load (it has zero gradient).
+  params = moe.keep_moved_biases(params, state.params, biases, labels)
   metrics['grad_norm'] = optax.global_norm(grads)
   metrics['lr'] = schedule(state.step)
   finite = jnp.isfinite(metrics['loss']) & jnp.isfinite(metrics['grad_norm'])
@@ -179,7 +184,7 @@ def train_step(state: TrainState, batch, *, cfg: StepConfig, labels, schedule: o
 
 
 def eval_step(state: TrainState, batch, *, cfg: StepConfig):
-  _, metrics = forward_loss(state.params, state.graphdef, batch, cfg, beta_scale=1.0)
+  _, (metrics, _) = forward_loss(state.params, state.graphdef, batch, cfg, beta_scale=1.0)
   return metrics
 
 

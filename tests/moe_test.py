@@ -1,7 +1,9 @@
 """Mixture of Experts: top-k routing, dispatch = a dense reference, balancing, sharding, training, decoding."""
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -14,7 +16,7 @@ from flax import nnx
 
 from conftest import small_config
 from configs import model as model_presets
-from mtpd_jax import decode, moe, sharding
+from mtpd_jax import decode, moe, sharding, train
 from mtpd_jax.harness import recipe, training, validation
 from mtpd_jax import model as M
 
@@ -122,7 +124,7 @@ def test_param_count_total_and_active(k):
   total = sum(x.size for x in jax.tree.leaves(params))
   assert total == M.param_count(cfg)
   expert_weights = sum(x.size for p, x in jax.tree_util.tree_leaves_with_path(params)
-                       if '/moe/w_' in moe.param_path(p) and 'router' not in moe.param_path(p))
+                       if re.search(r"\['moe'\]\['w_(gate|up|down)'\]", jax.tree_util.keystr(p)))
   assert M.param_count(cfg, active=True) == total - expert_weights * (4 - 2) // 4
   dense = M.ModelConfig(**{**cfg.__dict__, 'moe': moe.MoEConfig()})
   assert M.param_count(dense, active=True) == M.param_count(dense)
@@ -156,16 +158,52 @@ def test_balancing_evens_out_the_load_of_a_skewed_router(mechanism):
       return {**params, 'w_router': optax.apply_updates(params['w_router'], updates)}, opt_state
     for _ in range(150):
       params, opt_state = step(params, opt_state)
-  else:  # no gradient at all: only the bias moves
+  else:  # no gradient at all: only the bias moves, by the forward itself
     @jax.jit
     def step(params):
-      return {**params, 'router_bias': params['router_bias'] + stats(params)['bias_delta_X']}
+      layer = nnx.merge(graphdef, params)
+      layer(x, dropless=True, move_bias=True)
+      return nnx.state(layer, nnx.Param)
     for _ in range(150):
       params = step(params)
     assert float(jnp.abs(params['router_bias'][...]).max()) > 0.05
   after = float(stats(params)['max_load'])
   assert after < 1.25, (before, after)
 
+
+def test_router_biases_are_found_by_type_and_moved_only_where_they_train():
+  """Every router bias (trunk and heads, with or without remat) is a moe.RouterBias; the train step's
+  forward moves each by ±rate, and train_step keeps that step only for trainable biases."""
+  rate = 0.01
+  cfg = M.ModelConfig(**{**CFG.__dict__, 'moe': moe.MoEConfig(num_experts=4, top_k=2, expert_dim=16,
+                                                                 bias_update_rate=rate)})
+  tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, 64)
+  moved = []
+  for remat in (False, True):
+    graphdef, params = nnx.split(M.MTPTransformer(dataclasses.replace(cfg, remat=remat), rngs=nnx.Rngs(0)),
+                                 nnx.Param)
+    biases = nnx.filter_state(params, moe.RouterBias)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(biases)]
+    assert len(paths) == cfg.num_layers + cfg.num_mtp_heads and all('router_bias' in p for p in paths)
+
+    @jax.jit
+    def forward(params):
+      model = nnx.merge(graphdef, params)
+      model(tokens, move_router_biases=True)
+      return nnx.state(model, moe.RouterBias)
+    after = forward(params)
+    assert all(np.allclose(np.abs(b), rate) for b in jax.tree.leaves(after))
+    moved.append(after)
+  jax.tree.map(np.testing.assert_array_equal, *moved)  # remat changes nothing
+  labels = train.trainable_labels(params, 'mtp_heads')
+  updated = jax.tree.map(lambda p: p + 1.0, params)  # stands for the optimizer's result
+  kept = moe.keep_moved_biases(updated, params, moved[0], labels)
+  for path, value in jax.tree_util.tree_leaves_with_path(nnx.filter_state(kept, moe.RouterBias)):
+    step = np.abs(np.asarray(value) - 1.0)
+    expect = rate if 'mtp_heads' in jax.tree_util.keystr(path) else 0.0  # the frozen trunk's stay put
+    np.testing.assert_allclose(step, expect, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+  others = lambda state: nnx.filter_state(state, nnx.Not(moe.RouterBias))
+  jax.tree.map(np.testing.assert_array_equal, others(kept), others(updated))  # the rest as the optimizer left it
 
 def _setup(config, mesh):
   abstract, shardings = training.abstract_state(config, mesh)

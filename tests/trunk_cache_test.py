@@ -43,8 +43,8 @@ def test_heads_only_step_from_the_cache_equals_the_step_through_the_trunk(tmp_pa
     p = jax.tree.map(lambda x, l: x if l == 'train' else jax.lax.stop_gradient(x), p, labels)
     return train.forward_loss(p, graphdef, b, recipe.step_config(config), beta_scale=1.0)
   grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
-  (loss_a, metrics_a), grads_a = grad(params, batch)
-  (loss_b, metrics_b), grads_b = grad(params, {**batch, 'trunk_hidden': np.asarray(hidden)})
+  (loss_a, (metrics_a, _)), grads_a = grad(params, batch)
+  (loss_b, (metrics_b, _)), grads_b = grad(params, {**batch, 'trunk_hidden': np.asarray(hidden)})
   np.testing.assert_allclose(loss_a, loss_b, rtol=1e-5)
   for k in metrics_a:
     np.testing.assert_allclose(metrics_a[k], metrics_b[k], rtol=1e-5, atol=1e-6, err_msg=k)
