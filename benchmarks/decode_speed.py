@@ -84,11 +84,11 @@ def mtp_xent(model: MTPTransformer, tokens_BxT1, *, main_head: bool = True):
   return loss, jnp.stack(xents) if xents else jnp.zeros((0,))
 
 
-def train_mtp(model: MTPTransformer, rows_NxT1, *, steps: int, batch_size: int, lr: float,
+def train_mtp(model: MTPTransformer, rows_BxT1, *, steps: int, batch_size: int, lr: float,
               trainable=nnx.Param, main_head: bool = True) -> np.ndarray:
   """Adam on the `trainable` parameters (all, or HEADS) against `mtp_xent`, in place; returns xent_SxK.
 
-  Step i reads rows i*batch_size... of `rows_NxT1` (cycling). Parameters outside `trainable`
+  Step i reads rows i*batch_size... of `rows_BxT1` (cycling). Parameters outside `trainable`
   enter the step as constants, so a frozen trunk gets no gradient and no optimizer state.
   """
   graphdef, params, frozen = nnx.split(model, trainable, ...)
@@ -103,7 +103,7 @@ def train_mtp(model: MTPTransformer, rows_NxT1, *, steps: int, batch_size: int, 
 
   opt_state, xents = tx.init(params), []
   for i in range(steps):
-    batch = rows_NxT1[np.arange(i * batch_size, (i + 1) * batch_size) % len(rows_NxT1)]
+    batch = rows_BxT1[np.arange(i * batch_size, (i + 1) * batch_size) % len(rows_BxT1)]
     params, opt_state, xent_K = train_step(params, opt_state, frozen, batch)
     xents.append(xent_K)
   nnx.update(model, params)

@@ -1,6 +1,6 @@
 """KV-cache decoding: plain greedy/sampled generation and self-speculative decoding with the MTP heads.
 
-Dimension letters as in model.py, plus J (draft depth) and W (a window of positions).
+Dimension letters: the legend in mtpd_jax/__init__.py.
 
 Per sequence, `length` tokens are committed; the last one, at the *pending* position L = length-1,
 is chosen but not yet run through the trunk, whose cache holds positions < L. Every call runs in
@@ -71,7 +71,7 @@ class DecodeState(NamedTuple):
   key: jax.Array
   caches: list[Cache]             # trunk, valid for positions < length-1
   logits_BxV: jax.Array           # main logits at length-2, from which the pending token was chosen
-  accept_BxN: jax.Array | None = None          # accepted drafts at step n; -1 when not active
+  accept_BxI: jax.Array | None = None          # accepted drafts at step n; -1 when not active
   h0_BxSxD: jax.Array | None = None            # trunk hidden states by position
   head_caches: list[Cache] | None = None       # one per draft depth
   draft_logits_BxJxV: jax.Array | None = None  # sampling only: depth-j logits that drafted tokens[length-1+j]
@@ -117,17 +117,17 @@ def _write(x_BxS, pos_BxW, val_BxW, keep_BxW=None):
   return x_BxS.at[jnp.arange(x_BxS.shape[0])[:, None], pos_BxW].set(val_BxW, mode='drop')
 
 
-def _commit(st: DecodeState, emit_BxM, n_B, opts: DecodeOptions):
+def _commit(st: DecodeState, emit_BxJ1, n_B, opts: DecodeOptions):
   """Append the first n of `emit` to each active sequence, cut after a stop token or max_new_tokens."""
-  idx_M = jnp.arange(emit_BxM.shape[1])
+  idx_J1 = jnp.arange(emit_BxJ1.shape[1])
   n_B = jnp.minimum(n_B, opts.max_new_tokens - (st.length_B - st.prompt_len_B))
   stopped_B = jnp.zeros_like(st.done_B)
   if opts.stop_tokens:
-    stop_BxM = jnp.isin(emit_BxM, jnp.asarray(opts.stop_tokens)) & (idx_M < n_B[:, None])
-    stopped_B = jnp.any(stop_BxM, axis=1)
-    n_B = jnp.where(stopped_B, jnp.argmax(stop_BxM, axis=1) + 1, n_B)
+    stop_BxJ1 = jnp.isin(emit_BxJ1, jnp.asarray(opts.stop_tokens)) & (idx_J1 < n_B[:, None])
+    stopped_B = jnp.any(stop_BxJ1, axis=1)
+    n_B = jnp.where(stopped_B, jnp.argmax(stop_BxJ1, axis=1) + 1, n_B)
   n_B = jnp.where(st.done_B, 0, n_B)
-  tokens_BxS = _write(st.tokens_BxS, st.length_B[:, None] + idx_M, emit_BxM, idx_M < n_B[:, None])
+  tokens_BxS = _write(st.tokens_BxS, st.length_B[:, None] + idx_J1, emit_BxJ1, idx_J1 < n_B[:, None])
   length_B = st.length_B + n_B
   done_B = st.done_B | stopped_B | (length_B - st.prompt_len_B >= opts.max_new_tokens)
   return st._replace(tokens_BxS=tokens_BxS, length_B=length_B, done_B=done_B)
@@ -155,7 +155,7 @@ def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOp
   if not cfg.num_mtp_heads:
     raise ValueError('speculative decoding needs a model with MTP heads (num_mtp_heads >= 1)')
   st = st._replace(
-      accept_BxN=jnp.full((b, opts.max_new_tokens), -1, jnp.int32),
+      accept_BxI=jnp.full((b, opts.max_new_tokens), -1, jnp.int32),
       h0_BxSxD=jnp.zeros((b, s, cfg.dim), h_BxPxD.dtype).at[:, :p].set(h_BxPxD),
       head_caches=[init_cache(cfg, b, s, num_layers=1)[0] for _ in range(opts.draft_depth)])
   return _draft(model, st, jnp.zeros_like(prompt_len_B), p, key_draft, opts, vocab)
@@ -223,7 +223,7 @@ def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
     return new
   new = new._replace(
       h0_BxSxD=_write(st.h0_BxSxD, pos_BxJ1, h_BxJ1xD),
-      accept_BxN=st.accept_BxN.at[:, st.step].set(jnp.where(st.done_B, -1, accepted_B), mode='drop'))
+      accept_BxI=st.accept_BxI.at[:, st.step].set(jnp.where(st.done_B, -1, accepted_B), mode='drop'))
   return _draft(model, new, jnp.maximum(new.length_B - 1 - 2 * j, 0), 2 * j, key_draft, opts, vocab)
 
 
@@ -288,13 +288,13 @@ def jit_steps(structure: Structure, leaves, st: DecodeState, opts: DecodeOptions
 @functools.partial(jax.jit, static_argnames=('structure', 'opts'))
 def jit_generate(structure: Structure, leaves, prompt_BxP, prompt_len_B, key, opts: DecodeOptions,
                  draft_ids_U=None):
-  """Prefill, then steps until every sequence is done: (tokens_BxS, length_B, accept_BxN or None)."""
+  """Prefill, then steps until every sequence is done: (tokens_BxS, length_B, accept_BxI or None)."""
   model = decoding_model(structure, leaves)
   vocab = _vocab(model, draft_ids_U)
   st = prefill(model, prompt_BxP, prompt_len_B, key, opts, vocab)
   st = jax.lax.while_loop(lambda s: (s.step < opts.max_new_tokens) & ~jnp.all(s.done_B),
                           lambda s: step(model, s, opts, vocab), st)
-  return st.tokens_BxS, st.length_B, st.accept_BxN
+  return st.tokens_BxS, st.length_B, st.accept_BxI
 
 
 def pad_prompts(prompts, multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
@@ -346,10 +346,10 @@ def generate_split(structure: Structure, leaves, prompts, *, max_new_tokens: int
   opts = DecodeOptions(max_new_tokens, draft_depth, float(temperature), float(top_p),
                        tuple(int(t) for t in stop_tokens))
   prompt_BxP, lens_B = pad_prompts(prompts, pad_multiple)
-  tokens_BxS, length_B, accept_BxN = jax.device_get(
+  tokens_BxS, length_B, accept_BxI = jax.device_get(
       jit_generate(structure, leaves, prompt_BxP, lens_B, jax.random.key(seed), opts, draft_ids_U))
   tokens = [tokens_BxS[b, lens_B[b]:length_B[b]] for b in range(len(prompts))]
-  accepts = [np.zeros((0,), np.int32) if accept_BxN is None else accept_BxN[b][accept_BxN[b] >= 0]
+  accepts = [np.zeros((0,), np.int32) if accept_BxI is None else accept_BxI[b][accept_BxI[b] >= 0]
              for b in range(len(prompts))]
   return Generation(tokens, accepts)
 

@@ -27,68 +27,68 @@ from mtpd_jax import losses
 from mtpd_jax.shifts import shift_right
 
 
-def _chunk(x_K1xCxD, w_DxV, targets_C, mask_K1xC, ce_coef_K1, kl_coef_K, cfg):
+def _chunk(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg):
   """Loss sums of one chunk of rows and their gradients w.r.t. its hidden states and w."""
   top_n, top_n_mode, kl, renormalize, tau, distill, w_grad, main_grad = cfg
-  z_K1xCxV = jnp.einsum('kcd,dv->kcv', x_K1xCxD, w_DxV.astype(x_K1xCxD.dtype),
+  z_K1xRxV = jnp.einsum('krd,dv->krv', x_K1xRxD, w_DxV.astype(x_K1xRxD.dtype),
                         preferred_element_type=jnp.float32)
-  num_pred, rows, v = z_K1xCxV.shape
-  onehot_CxV = (lax.broadcasted_iota(jnp.int32, (rows, v), 1) == targets_C[:, None]).astype(jnp.float32)
-  m_K1xC = jnp.max(z_K1xCxV, axis=-1)
-  e_K1xCxV = jnp.exp(z_K1xCxV - m_K1xC[..., None])
-  sum_K1xC = jnp.sum(e_K1xCxV, axis=-1)
-  ce_K1xC = (m_K1xC + jnp.log(sum_K1xC)) - jnp.sum(z_K1xCxV * onehot_CxV, axis=-1)
+  num_pred, rows, v = z_K1xRxV.shape
+  onehot_RxV = (lax.broadcasted_iota(jnp.int32, (rows, v), 1) == targets_R[:, None]).astype(jnp.float32)
+  m_K1xR = jnp.max(z_K1xRxV, axis=-1)
+  e_K1xRxV = jnp.exp(z_K1xRxV - m_K1xR[..., None])
+  sum_K1xR = jnp.sum(e_K1xRxV, axis=-1)
+  ce_K1xR = (m_K1xR + jnp.log(sum_K1xR)) - jnp.sum(z_K1xRxV * onehot_RxV, axis=-1)
   # d CE / d z = softmax - onehot, weighted by each row's share of its predictor's mean.
-  g_ce_K1xC = ce_coef_K1[:, None] * mask_K1xC
-  dz_K1xCxV = g_ce_K1xC[..., None] * (e_K1xCxV / sum_K1xC[..., None] - onehot_CxV)
+  g_ce_K1xR = ce_coef_K1[:, None] * mask_K1xR
+  dz_K1xRxV = g_ce_K1xR[..., None] * (e_K1xRxV / sum_K1xR[..., None] - onehot_RxV)
   # Agreement: the main head's argmax is an argmax of head k (one argmax per row, not K+1).
-  main_argmax_K1xCx1 = jnp.broadcast_to(jnp.argmax(z_K1xCxV[0], axis=-1)[None, :, None], (num_pred, rows, 1))
-  at_main_argmax_K1xC = jnp.take_along_axis(z_K1xCxV, main_argmax_K1xCx1, axis=-1)[..., 0]
-  sums = {'ce': jnp.sum(ce_K1xC * mask_K1xC, axis=-1),
-          'agree': jnp.sum((at_main_argmax_K1xC >= m_K1xC) * mask_K1xC, axis=-1)}
+  main_argmax_K1xRx1 = jnp.broadcast_to(jnp.argmax(z_K1xRxV[0], axis=-1)[None, :, None], (num_pred, rows, 1))
+  at_main_argmax_K1xR = jnp.take_along_axis(z_K1xRxV, main_argmax_K1xRx1, axis=-1)[..., 0]
+  sums = {'ce': jnp.sum(ce_K1xR * mask_K1xR, axis=-1),
+          'agree': jnp.sum((at_main_argmax_K1xR >= m_K1xR) * mask_K1xR, axis=-1)}
   if distill and num_pred > 1:
-    t_1xCxV = z_K1xCxV[:1] / tau
-    thr_1xC = (losses.top_n_threshold(t_1xCxV, top_n) if top_n is not None
+    t_1xRxV = z_K1xRxV[:1] / tau
+    thr_1xR = (losses.top_n_threshold(t_1xRxV, top_n) if top_n is not None
                else jnp.full((1, rows), -jnp.inf))
     # In 'teacher' mode the teacher's log-normaliser over S is shared by every head.
-    t_lse = losses.teacher_log_normalizer(t_1xCxV, thr_1xC, renormalize) if top_n_mode == 'teacher' else None
+    t_lse = losses.teacher_log_normalizer(t_1xRxV, thr_1xR, renormalize) if top_n_mode == 'teacher' else None
     kls, ds = [], [jnp.zeros((1, rows, v), jnp.float32)]
     for k in range(1, num_pred):
-      s_1xCxV = z_K1xCxV[k:k + 1] / tau
-      s_thr_1xC = losses.top_n_threshold(s_1xCxV, top_n) if top_n_mode == 'union' else None
-      kl_1xC, res = losses.detached_kl_fwd(t_1xCxV, s_1xCxV, thr_1xC, s_thr_1xC, t_lse, 0, kl, renormalize)
-      g_1xC = kl_coef_K[k - 1] * mask_K1xC[k:k + 1]
-      ds.append(losses.detached_kl_bwd(0, kl, renormalize, res, g_1xC)[1] / tau)
-      kls.append(kl_1xC[0])
-    dz_K1xCxV = dz_K1xCxV + jnp.concatenate(ds)
-    sums['kl'] = jnp.sum(jnp.stack(kls) * mask_K1xC[1:], axis=-1)
+      s_1xRxV = z_K1xRxV[k:k + 1] / tau
+      s_thr_1xR = losses.top_n_threshold(s_1xRxV, top_n) if top_n_mode == 'union' else None
+      kl_1xR, res = losses.detached_kl_fwd(t_1xRxV, s_1xRxV, thr_1xR, s_thr_1xR, t_lse, 0, kl, renormalize)
+      g_1xR = kl_coef_K[k - 1] * mask_K1xR[k:k + 1]
+      ds.append(losses.detached_kl_bwd(0, kl, renormalize, res, g_1xR)[1] / tau)
+      kls.append(kl_1xR[0])
+    dz_K1xRxV = dz_K1xRxV + jnp.concatenate(ds)
+    sums['kl'] = jnp.sum(jnp.stack(kls) * mask_K1xR[1:], axis=-1)
   # A frozen trunk (and final norm) takes no gradient from the main head's row, and a frozen
   # unembedding none at all: those products are skipped, not computed and dropped.
   first = 0 if main_grad else 1
-  dz = dz_K1xCxV[first:].astype(x_K1xCxD.dtype)
-  dx_K1xCxD = jnp.einsum('kcv,dv->kcd', dz, w_DxV.astype(dz.dtype), preferred_element_type=jnp.float32)
-  dx_K1xCxD = jnp.concatenate([jnp.zeros_like(dx_K1xCxD[:first]), dx_K1xCxD])
+  dz = dz_K1xRxV[first:].astype(x_K1xRxD.dtype)
+  dx_K1xRxD = jnp.einsum('krv,dv->krd', dz, w_DxV.astype(dz.dtype), preferred_element_type=jnp.float32)
+  dx_K1xRxD = jnp.concatenate([jnp.zeros_like(dx_K1xRxD[:first]), dx_K1xRxD])
   if w_grad:
-    dw_DxV = jnp.einsum('rd,rv->dv', x_K1xCxD[first:].reshape(-1, x_K1xCxD.shape[-1]), dz.reshape(-1, v),
+    dw_DxV = jnp.einsum('rd,rv->dv', x_K1xRxD[first:].reshape(-1, x_K1xRxD.shape[-1]), dz.reshape(-1, v),
                         preferred_element_type=jnp.float32)
   else:
     dw_DxV = jnp.zeros(w_DxV.shape, jnp.float32)
-  return sums, dx_K1xCxD.astype(x_K1xCxD.dtype), dw_DxV
+  return sums, dx_K1xRxD.astype(x_K1xRxD.dtype), dw_DxV
 
 
 def _fused_fwd(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg, chunk_rows):
   num_pred, r, d = x_K1xRxD.shape
-  n = r // chunk_rows
-  xs = (x_K1xRxD.reshape(num_pred, n, chunk_rows, d).swapaxes(0, 1), targets_R.reshape(n, chunk_rows),
-        mask_K1xR.reshape(num_pred, n, chunk_rows).swapaxes(0, 1))
+  y = r // chunk_rows
+  xs = (x_K1xRxD.reshape(num_pred, y, chunk_rows, d).swapaxes(0, 1), targets_R.reshape(y, chunk_rows),
+        mask_K1xR.reshape(num_pred, y, chunk_rows).swapaxes(0, 1))
 
   def body(dw_DxV, xs_c):
     sums, dx, dw = _chunk(*xs_c[:1], w_DxV, *xs_c[1:], ce_coef_K1, kl_coef_K, cfg)
     return dw_DxV + dw, (sums, dx)
-  dw_DxV, (sums, dx_NxK1xCxD) = lax.scan(body, jnp.zeros(w_DxV.shape, jnp.float32), xs)
+  dw_DxV, (sums, dx_YxK1xRxD) = lax.scan(body, jnp.zeros(w_DxV.shape, jnp.float32), xs)
   sums = jax.tree.map(lambda s: jnp.sum(s, axis=0), sums)
   loss = jnp.sum(ce_coef_K1 * sums['ce']) + (jnp.sum(kl_coef_K * sums['kl']) if 'kl' in sums else 0.0)
-  dx_K1xRxD = dx_NxK1xCxD.swapaxes(0, 1).reshape(num_pred, r, d)
+  dx_K1xRxD = dx_YxK1xRxD.swapaxes(0, 1).reshape(num_pred, r, d)
   return (loss, sums), (dx_K1xRxD, dw_DxV.astype(w_DxV.dtype))
 
 

@@ -1,6 +1,6 @@
 """MTP-D losses (the paper's total loss; docs/design.md, "Data flow"): main CE + Σ_k α_k·CE_k + Σ_k β_k·KL_k, as pure functions of arrays.
 
-Dimension legend: B batch, T positions, V vocab, K MTP heads, N Top-N selected logits.
+Dimension letters: the legend in mtpd_jax/__init__.py.
 
 Alignment: head k at position i predicts token i+k+1, the same token as the main head at i+k,
 so the teacher of head k at i is the main logits at i+k (Fig. 1). All softmaxes run in f32.

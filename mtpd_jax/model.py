@@ -1,8 +1,6 @@
 """Llama-style decoder with K DeepSeek-V3-style multi-token-prediction (MTP) heads, in Flax NNX.
 
-Dimension legend (suffixes, einsum letters, logical axes): B batch, T query positions, S key
-positions, D model width, H attention heads, G kv heads, R query heads per kv head (H / G),
-E head width, F MLP width, V vocab, L layers, K MTP heads (moe.py adds X experts, A chosen per token).
+Dimension letters (suffixes, einsum letters): the legend in mtpd_jax/__init__.py.
 
 Alignment: the main head at position i predicts token i+1; MTP head k (1-based) at position i
 reads the hidden state h^{k-1}_i and the embedding of token i+k, and predicts token i+k+1.
@@ -156,13 +154,13 @@ class Attention(nnx.Module):
       k_BxGxSxE, v_BxGxSxE = k_BxTxGxE.transpose(0, 2, 1, 3), v_BxTxGxE.transpose(0, 2, 1, 3)
     b, t, h, e = q_BxTxHxE.shape
     g = cfg.num_kv_heads
-    q_BxTxGxRxE = q_BxTxHxE.reshape(b, t, g, h // g, e)
-    scores_BxGxRxTxS = jnp.einsum('btgre,bgse->bgrts', q_BxTxGxRxE, k_BxGxSxE,
+    q_BxTxGxQxE = q_BxTxHxE.reshape(b, t, g, h // g, e)
+    scores_BxGxQxTxS = jnp.einsum('btgqe,bgse->bgqts', q_BxTxGxQxE, k_BxGxSxE,
                                   preferred_element_type=jnp.float32) / jnp.sqrt(e).astype(jnp.float32)
-    scores_BxGxRxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxGxRxTxS, -1e30)
-    probs_BxGxRxTxS = jax.nn.softmax(scores_BxGxRxTxS, axis=-1).astype(dt)  # softmax in f32
-    out_BxTxGxRxE = jnp.einsum('bgrts,bgse->btgre', probs_BxGxRxTxS, v_BxGxSxE)
-    out_BxTxD = jnp.einsum('bthe,hed->btd', out_BxTxGxRxE.reshape(b, t, h, e), self.wo[...].astype(dt))
+    scores_BxGxQxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxGxQxTxS, -1e30)
+    probs_BxGxQxTxS = jax.nn.softmax(scores_BxGxQxTxS, axis=-1).astype(dt)  # softmax in f32
+    out_BxTxGxQxE = jnp.einsum('bgqts,bgse->btgqe', probs_BxGxQxTxS, v_BxGxSxE)
+    out_BxTxD = jnp.einsum('bthe,hed->btd', out_BxTxGxQxE.reshape(b, t, h, e), self.wo[...].astype(dt))
     return out_BxTxD, cache
 
 

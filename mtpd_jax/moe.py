@@ -1,7 +1,7 @@
 """Mixture-of-Experts feed-forward: a top-k router, capacity or dropless dispatch, load balancing.
 
-Dimension letters as in model.py (D model width, F expert width, B, T), plus X experts, A experts
-chosen per token (top-k), U routing groups, M tokens per group, C capacity slots per expert.
+Dimension letters: the legend in mtpd_jax/__init__.py (X experts, A chosen per token, Y routing
+groups of R tokens each, C capacity slots per expert).
 
 Router (DeepSeek-style): softmax over the X experts in f32, the top A chosen, and their gates
 renormalised to sum to 1 (`renormalize_gates`). Balancing, either or both:
@@ -14,8 +14,8 @@ renormalised to sum to 1 (`renormalize_gates`). Balancing, either or both:
     selecting the biases by that type, never by their paths.
 Dispatch:
   * capacity (`capacity_factor` > 0), used by the training forward: each sequence is cut into
-    groups of M tokens (`group_size`, 0 = the whole sequence); expert x takes at most
-    C = ceil(capacity_factor · M · A / X) choices per group, in token order (token-major, so a
+    groups of R tokens (`group_size`, 0 = the whole sequence); expert x takes at most
+    C = ceil(capacity_factor · R · A / X) choices per group, in token order (token-major, so a
     token's slot depends only on earlier tokens: the trunk stays causal). A choice over capacity is
     dropped: its share of the token's output is zero and the token passes through the residual.
     The dispatch is a one-hot einsum into an [X, U, C, D] buffer, which shards over experts.
@@ -41,7 +41,7 @@ class MoEConfig:
   top_k: int = 2                  # A experts per token
   expert_dim: int = 0             # F of each expert (and of each shared expert); 0 = model.mlp_dim
   num_shared_experts: int = 0     # experts every token passes through (one SwiGLU of width s·F)
-  capacity_factor: float = 1.25   # training forward: slots per expert = factor·M·A/X; <= 0 = dropless
+  capacity_factor: float = 1.25   # training forward: slots per expert = factor·R·A/X; <= 0 = dropless
   group_size: int = 0             # M, tokens per routing group; 0 = the whole sequence
   renormalize_gates: bool = True  # top-k gates sum to 1 (DeepSeek); False = raw softmax probabilities
   aux_loss_weight: float = 0.01   # Switch-style balancing loss weight (0 = off)
@@ -75,44 +75,44 @@ def _param(rngs: nnx.Rngs, init, shape, axes, kind=nnx.Param) -> nnx.Param:
   return kind(init(rngs.params(), shape, jnp.float32), axes=axes)
 
 
-def route(logits_NxX, bias_X, top_k: int, renormalize: bool):
+def route(logits_RxX, bias_X, top_k: int, renormalize: bool):
   """Top-k experts of each token and their gates (from the unbiased softmax, in f32)."""
-  probs_NxX = jax.nn.softmax(logits_NxX.astype(jnp.float32), axis=-1)
-  _, idx_NxA = jax.lax.top_k(probs_NxX + jax.lax.stop_gradient(bias_X), top_k)  # bias: choice only
-  gates_NxA = jnp.take_along_axis(probs_NxX, idx_NxA, axis=-1)
+  probs_RxX = jax.nn.softmax(logits_RxX.astype(jnp.float32), axis=-1)
+  _, idx_RxA = jax.lax.top_k(probs_RxX + jax.lax.stop_gradient(bias_X), top_k)  # bias: choice only
+  gates_RxA = jnp.take_along_axis(probs_RxX, idx_RxA, axis=-1)
   if renormalize:
-    gates_NxA = gates_NxA / jnp.sum(gates_NxA, axis=-1, keepdims=True)
-  return idx_NxA, gates_NxA, probs_NxX
+    gates_RxA = gates_RxA / jnp.sum(gates_RxA, axis=-1, keepdims=True)
+  return idx_RxA, gates_RxA, probs_RxX
 
 
-def dispatch_masks(idx_UxMxA, gates_UxMxA, valid_UxM, num_experts: int, capacity: int):
-  """One-hot dispatch and gate-weighted combine tensors UxMxXxC, and which choices fit (UxMxA).
+def dispatch_masks(idx_YxRxA, gates_YxRxA, valid_YxR, num_experts: int, capacity: int):
+  """One-hot dispatch and gate-weighted combine tensors YxRxXxC, and which choices fit (YxRxA).
 
-  Slots are handed out in token-major order (all choices of token m before token m+1), so a
+  Slots are handed out in token-major order (all choices of token r before token r+1), so a
   token's placement depends only on earlier tokens of its group. Invalid (padding) tokens take none.
   """
-  u, m, a = idx_UxMxA.shape
-  choice_UxMxAxX = jax.nn.one_hot(idx_UxMxA, num_experts, dtype=jnp.int32) * valid_UxM[..., None, None]
-  queue_UxMAxX = jnp.cumsum(choice_UxMxAxX.reshape(u, m * a, num_experts), axis=1) - 1
-  slot_UxMxA = jnp.sum(queue_UxMAxX.reshape(u, m, a, num_experts) * choice_UxMxAxX, axis=-1)
-  keep_UxMxA = (slot_UxMxA < capacity) & (jnp.sum(choice_UxMxAxX, axis=-1) > 0)
-  slot_UxMxAxC = jax.nn.one_hot(slot_UxMxA, capacity, dtype=jnp.float32) * keep_UxMxA[..., None]
-  choice_UxMxAxX = choice_UxMxAxX.astype(jnp.float32)
-  dispatch_UxMxXxC = jnp.einsum('umax,umac->umxc', choice_UxMxAxX, slot_UxMxAxC)
-  combine_UxMxXxC = jnp.einsum('umax,umac,uma->umxc', choice_UxMxAxX, slot_UxMxAxC, gates_UxMxA)
-  return dispatch_UxMxXxC, combine_UxMxXxC, keep_UxMxA
+  y, r, a = idx_YxRxA.shape
+  choice_YxRxAxX = jax.nn.one_hot(idx_YxRxA, num_experts, dtype=jnp.int32) * valid_YxR[..., None, None]
+  queue_YxRAxX = jnp.cumsum(choice_YxRxAxX.reshape(y, r * a, num_experts), axis=1) - 1
+  slot_YxRxA = jnp.sum(queue_YxRAxX.reshape(y, r, a, num_experts) * choice_YxRxAxX, axis=-1)
+  keep_YxRxA = (slot_YxRxA < capacity) & (jnp.sum(choice_YxRxAxX, axis=-1) > 0)
+  slot_YxRxAxC = jax.nn.one_hot(slot_YxRxA, capacity, dtype=jnp.float32) * keep_YxRxA[..., None]
+  choice_YxRxAxX = choice_YxRxAxX.astype(jnp.float32)
+  dispatch_YxRxXxC = jnp.einsum('yrax,yrac->yrxc', choice_YxRxAxX, slot_YxRxAxC)
+  combine_YxRxXxC = jnp.einsum('yrax,yrac,yra->yrxc', choice_YxRxAxX, slot_YxRxAxC, gates_YxRxA)
+  return dispatch_YxRxXxC, combine_YxRxXxC, keep_YxRxA
 
 
-def routing_stats(idx_NxA, probs_NxX, keep_NxA, valid_N, bias_update_rate: float) -> dict:
+def routing_stats(idx_RxA, probs_RxX, keep_RxA, valid_R, bias_update_rate: float) -> dict:
   """Balancing loss, per-expert load f_x (share of routed choices, before capacity) and drops."""
-  x = probs_NxX.shape[-1]
-  n_valid = jnp.maximum(jnp.sum(valid_N), 1)
-  choice_NxX = jnp.sum(jax.nn.one_hot(idx_NxA, x), axis=1) * valid_N[:, None]
-  load_X = jnp.sum(choice_NxX, axis=0) / (n_valid * idx_NxA.shape[-1])
-  mean_prob_X = jnp.sum(probs_NxX * valid_N[:, None], axis=0) / n_valid
+  x = probs_RxX.shape[-1]
+  n_valid = jnp.maximum(jnp.sum(valid_R), 1)
+  choice_RxX = jnp.sum(jax.nn.one_hot(idx_RxA, x), axis=1) * valid_R[:, None]
+  load_X = jnp.sum(choice_RxX, axis=0) / (n_valid * idx_RxA.shape[-1])
+  mean_prob_X = jnp.sum(probs_RxX * valid_R[:, None], axis=0) / n_valid
   return {'aux_loss': x * jnp.sum(jax.lax.stop_gradient(load_X) * mean_prob_X),
           'max_load': x * jnp.max(load_X),
-          'dropped_frac': 1.0 - jnp.sum(keep_NxA * valid_N[:, None]) / (n_valid * idx_NxA.shape[-1]),
+          'dropped_frac': 1.0 - jnp.sum(keep_RxA * valid_R[:, None]) / (n_valid * idx_RxA.shape[-1]),
           'bias_delta_X': bias_update_rate * jnp.sign(1.0 / x - load_X)}
 
 
@@ -128,11 +128,11 @@ class MoE(nnx.Module):
     self.w_up = _param(rngs, _expert_init, (x, dim, f), ('expert', 'embed', 'mlp'))
     self.w_down = _param(rngs, _expert_init, (x, f, dim), ('expert', 'mlp', 'embed'))
 
-  def _experts(self, x_XxUxCxD):
-    dt = x_XxUxCxD.dtype
-    gate = jnp.einsum('xucd,xdf->xucf', x_XxUxCxD, self.w_gate[...].astype(dt))
-    up = jnp.einsum('xucd,xdf->xucf', x_XxUxCxD, self.w_up[...].astype(dt))
-    return jnp.einsum('xucf,xfd->xucd', jax.nn.silu(gate) * up, self.w_down[...].astype(dt))
+  def _experts(self, x_XxYxCxD):
+    dt = x_XxYxCxD.dtype
+    gate = jnp.einsum('xycd,xdf->xycf', x_XxYxCxD, self.w_gate[...].astype(dt))
+    up = jnp.einsum('xycd,xdf->xycf', x_XxYxCxD, self.w_up[...].astype(dt))
+    return jnp.einsum('xycf,xfd->xycd', jax.nn.silu(gate) * up, self.w_down[...].astype(dt))
 
   def __call__(self, x_BxTxD, *, dropless: bool = True, move_bias: bool = False):
     """(output BxTxD, routing stats); `dropless=False` applies the capacity limit (training).
@@ -151,25 +151,25 @@ class MoE(nnx.Module):
       out_BxTxD = jnp.einsum('btx,xbtd->btd', gates_BxTxX.astype(dt), y_XxBxTxD)
       keep_BxTxA, valid_BxT = jnp.ones(idx_BxTxA.shape, bool), jnp.ones((b, t), bool)
     else:
-      # Groups of M consecutive tokens of one sequence; a ragged tail is padded and routes nowhere.
-      m = min(cfg.group_size or t, t)
-      pad = -t % m
+      # Groups of R consecutive tokens of one sequence; a ragged tail is padded and routes nowhere.
+      r = min(cfg.group_size or t, t)
+      pad = -t % r
       padded = lambda a, v: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=v)
-      u = b * (t + pad) // m
+      y = b * (t + pad) // r
       valid_BxT = padded(jnp.ones((b, t), bool), False)
-      dispatch_UxMxXxC, combine_UxMxXxC, keep_UxMxA = dispatch_masks(
-          padded(idx_BxTxA, 0).reshape(u, m, -1), padded(gates_BxTxA, 0.0).reshape(u, m, -1),
-          valid_BxT.reshape(u, m), cfg.num_experts, cfg.capacity(m))
-      x_UxMxD = padded(x_BxTxD, 0.0).reshape(u, m, d)
-      # expert inputs[X_expert, U_batch, C, D]: the dispatch is an all-to-all when both axes are sharded
-      x_XxUxCxD = jnp.einsum('umxc,umd->xucd', dispatch_UxMxXxC.astype(dt), x_UxMxD)
-      out_UxMxD = jnp.einsum('umxc,xucd->umd', combine_UxMxXxC.astype(dt), self._experts(x_XxUxCxD))
-      out_BxTxD = out_UxMxD.reshape(b, t + pad, d)[:, :t]
-      keep_BxTxA = keep_UxMxA.reshape(b, t + pad, -1)[:, :t]
+      dispatch_YxRxXxC, combine_YxRxXxC, keep_YxRxA = dispatch_masks(
+          padded(idx_BxTxA, 0).reshape(y, r, -1), padded(gates_BxTxA, 0.0).reshape(y, r, -1),
+          valid_BxT.reshape(y, r), cfg.num_experts, cfg.capacity(r))
+      x_YxRxD = padded(x_BxTxD, 0.0).reshape(y, r, d)
+      # expert inputs[X_expert, Y_batch, C, D]: the dispatch is an all-to-all when both axes are sharded
+      x_XxYxCxD = jnp.einsum('yrxc,yrd->xycd', dispatch_YxRxXxC.astype(dt), x_YxRxD)
+      out_YxRxD = jnp.einsum('yrxc,xycd->yrd', combine_YxRxXxC.astype(dt), self._experts(x_XxYxCxD))
+      out_BxTxD = out_YxRxD.reshape(b, t + pad, d)[:, :t]
+      keep_BxTxA = keep_YxRxA.reshape(b, t + pad, -1)[:, :t]
       valid_BxT = valid_BxT[:, :t]
-    n = b * t
-    stats = routing_stats(idx_BxTxA.reshape(n, -1), probs_BxTxX.reshape(n, -1), keep_BxTxA.reshape(n, -1),
-                          valid_BxT.reshape(n), cfg.bias_update_rate)
+    rows = b * t
+    stats = routing_stats(idx_BxTxA.reshape(rows, -1), probs_BxTxX.reshape(rows, -1),
+                          keep_BxTxA.reshape(rows, -1), valid_BxT.reshape(rows), cfg.bias_update_rate)
     if move_bias and cfg.bias_update_rate:
       self.router_bias[...] = self.router_bias[...] + stats['bias_delta_X']
     return out_BxTxD, stats

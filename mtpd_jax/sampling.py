@@ -2,27 +2,27 @@
 
 Pure array functions shared by plain and speculative decoding, so both draw from exactly the same
 distribution. `temperature == 0` means greedy (argmax, first index on ties); it is a Python float,
-static under jit. Dimension letters as in model.py, plus J for the speculative draft depth; `_xV`
-means any leading dimensions.
+static under jit. Dimension letters: the legend in mtpd_jax/__init__.py (`logits_V`: any leading
+axes).
 """
 
 import jax
 import jax.numpy as jnp
 
 
-def probs(logits_xV, temperature: float, top_p: float = 1.0):
+def probs(logits_V, temperature: float, top_p: float = 1.0):
   """softmax(logits / temperature) restricted to the top-p nucleus and renormalised, in f32."""
-  p_xV = jax.nn.softmax(logits_xV.astype(jnp.float32) / temperature, axis=-1)
+  p_V = jax.nn.softmax(logits_V.astype(jnp.float32) / temperature, axis=-1)
   if top_p >= 1.0:
-    return p_xV
-  order_xV = jnp.argsort(-p_xV, axis=-1, stable=True)
-  sorted_xV = jnp.take_along_axis(p_xV, order_xV, axis=-1)
+    return p_V
+  order_V = jnp.argsort(-p_V, axis=-1, stable=True)
+  sorted_V = jnp.take_along_axis(p_V, order_V, axis=-1)
   # Keep a token iff the mass strictly before it (in descending order) is < top_p: the smallest
   # prefix whose mass reaches top_p, and always at least the most likely token.
-  keep_sorted_xV = jnp.cumsum(sorted_xV, axis=-1) - sorted_xV < top_p
-  keep_xV = jnp.take_along_axis(keep_sorted_xV, jnp.argsort(order_xV, axis=-1), axis=-1)
-  p_xV = jnp.where(keep_xV, p_xV, 0.0)
-  return p_xV / jnp.sum(p_xV, axis=-1, keepdims=True)
+  keep_sorted_V = jnp.cumsum(sorted_V, axis=-1) - sorted_V < top_p
+  keep_V = jnp.take_along_axis(keep_sorted_V, jnp.argsort(order_V, axis=-1), axis=-1)
+  p_V = jnp.where(keep_V, p_V, 0.0)
+  return p_V / jnp.sum(p_V, axis=-1, keepdims=True)
 
 
 def choose(key, logits_BxV, temperature: float, top_p: float = 1.0):

@@ -1,6 +1,6 @@
 """Top-N selection as a threshold: per row, the c with count(logits > c) = N, by count reductions.
 
-Dimension legend: B batch, T positions, V vocab, N Top-N selected logits.
+Dimension letters: the legend in mtpd_jax/__init__.py.
 
 `lax.top_k` sorts each row (on CPU it cost more than the whole KL it selects for); a threshold
 needs only reductions over V, which vectorise on CPU and shard over a vocab-sharded mesh axis

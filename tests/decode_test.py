@@ -80,7 +80,7 @@ def _decode_trace(structure, leaves, prompt_BxP, prompt_len_B, opts, num_steps):
   def body(st, _):
     return decode.step(model, st, opts), (st.tokens_BxS, st.length_B, st.logits_BxV, st.draft_logits_BxJxV)
   st, trace = jax.lax.scan(body, st, length=num_steps)
-  return trace, st.accept_BxN
+  return trace, st.accept_BxI
 
 
 @pytest.mark.parametrize('depth', [0, 3])
@@ -91,7 +91,7 @@ def test_kv_cache_decoding_matches_full_recomputation(trained, depth):
   """
   opts = decode.DecodeOptions(max_new_tokens=12, draft_depth=depth, temperature=1.0 if depth else 0.0)
   prompt_BxP, lens_B = decode.pad_prompts(_prompts(), 16)
-  trace, accepts_BxN = _decode_trace(*decode.split(trained), prompt_BxP, lens_B, opts, 5)
+  trace, accepts_BxI = _decode_trace(*decode.split(trained), prompt_BxP, lens_B, opts, 5)
   rows = np.arange(len(lens_B))
   for tokens_BxS, length_B, logits_BxV, draft_logits_BxJxV in zip(*map(np.asarray, trace[:3]),
                                                                   trace[3] if depth else [None] * 5):
@@ -103,7 +103,7 @@ def test_kv_cache_decoding_matches_full_recomputation(trained, depth):
       full_BxJxV = np.swapaxes(full_drafts_JxBxSxV[:, rows, last_B], 0, 1)
       np.testing.assert_allclose(draft_logits_BxJxV, full_BxJxV, atol=1e-4, rtol=1e-4)
   if depth:  # accepted and rolled-back drafts were both seen, and some sequence finished early
-    seen = set(np.asarray(accepts_BxN)[:, :5].ravel().tolist())
+    seen = set(np.asarray(accepts_BxI)[:, :5].ravel().tolist())
     assert {-1, 0} <= seen and max(seen) > 0
 
 

@@ -90,23 +90,23 @@ def _prompt_counts(runs, name: str):
   return out
 
 
-def paired_bootstrap(a_Px3, b_Px3, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict:
+def paired_bootstrap(a_Bx3, b_Bx3, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict:
   """AR1 and tokens per forward of `a` minus `b` on the same P prompts (rows: steps, accepted_1, accepted).
 
   `diff` is the difference over all prompts; `lo`/`hi` the 2.5 and 97.5 percentiles of it over
   prompts resampled with replacement, the same resample for both (a paired bootstrap);
   `verdict` says whether the interval lies above zero, below it, or holds it ('inconclusive').
   """
-  p = len(a_Px3)
-  idx_SxP = np.random.default_rng(seed).integers(0, p, size=(samples, p))
-  weight_SxP = np.zeros((samples, p))
-  np.add.at(weight_SxP, (np.repeat(np.arange(samples), p), idx_SxP.ravel()), 1.0)
+  p = len(a_Bx3)
+  idx_ZxB = np.random.default_rng(seed).integers(0, p, size=(samples, p))
+  weight_ZxB = np.zeros((samples, p))
+  np.add.at(weight_ZxB, (np.repeat(np.arange(samples), p), idx_ZxB.ravel()), 1.0)
 
   def rates(w, x):  # (AR1, tokens per forward) of prompts weighted by w
     sums = w @ x
     return sums[..., 1] / sums[..., 0], 1.0 + sums[..., 2] / sums[..., 0]
-  full_a, full_b = rates(np.ones(p), a_Px3), rates(np.ones(p), b_Px3)
-  boot_a, boot_b = rates(weight_SxP, a_Px3), rates(weight_SxP, b_Px3)
+  full_a, full_b = rates(np.ones(p), a_Bx3), rates(np.ones(p), b_Bx3)
+  boot_a, boot_b = rates(weight_ZxB, a_Bx3), rates(weight_ZxB, b_Bx3)
   out = {'prompts': p}
   for i, key in enumerate(('ar1', 'tokens_per_forward')):
     lo, hi = np.percentile(boot_a[i] - boot_b[i], [2.5, 97.5])
