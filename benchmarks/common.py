@@ -4,7 +4,6 @@ Every benchmark runs the library's own train step (`train.abstract_train_state`,
 `make_steps`) on a one-device mesh with synthetic batches, so what is timed is what trains.
 """
 
-import argparse
 import copy
 import datetime
 import json
@@ -13,13 +12,15 @@ import shlex
 import statistics
 import sys
 import time
+import types
 
 import jax
 import numpy as np
+from absl import flags
 
 from configs import base, tiny
 from mtpd_jax import losses, sharding
-from mtpd_jax.harness import evaluate, recipe, training
+from mtpd_jax.harness import cli, evaluate, recipe, training
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), 'results')
 TOP_N_FRACTION = 10_000 / 122_880  # the paper's N / V (≈ 8.1%)
@@ -119,8 +120,29 @@ def matmul_flops_per_s(n: int = 2048, reps: int = 5) -> float:
   return 2 * n ** 3 / best
 
 
-def add_results_dir_arg(p: argparse.ArgumentParser) -> None:
-  p.add_argument('--results_dir', default=RESULTS_DIR, help='where <name>.json goes')
+def define_results_dir(flag_values: flags.FlagValues) -> None:
+  flags.DEFINE_string('results_dir', RESULTS_DIR, 'where <name>.json goes', flag_values=flag_values)
+
+
+def parse_flags(flag_values: flags.FlagValues, argv, doc: str) -> types.SimpleNamespace:
+  """The values of `flag_values` parsed from `argv` (None: the command line); flags not given keep their defaults.
+
+  Each benchmark defines its flags in a FlagValues of its own (their names repeat across benchmarks),
+  so tests can parse one benchmark's flags several times in one process. `--help` prints them; a
+  bad flag or a stray argument raises cli.InputError (one 'error:' line under cli.run).
+  """
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if {'-h', '--help', '--helpshort', '--helpfull'} & set(argv):
+    print(doc.strip().splitlines()[0] + '\n\n' + flag_values.get_help())
+    sys.exit(0)
+  flag_values.unparse_flags()
+  try:
+    rest = flag_values(['benchmark', *argv])[1:]
+  except flags.Error as e:
+    raise cli.InputError(str(e)) from None
+  if rest:
+    raise cli.InputError(f'unexpected arguments {rest}: every setting is a --flag=value')
+  return types.SimpleNamespace(**flag_values.flag_values_dict())
 
 
 def write_results(name: str, results: dict, results_dir: str = RESULTS_DIR) -> str:

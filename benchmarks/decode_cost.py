@@ -16,12 +16,13 @@ step over the time of reading its bytes at that rate. Headline keys: spec_over_p
 spec_over_plain_j4 (batch 1), plain_over_bound. Writes benchmarks/results/decode_cost.json.
 """
 
-import argparse
 import time
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 from flax import nnx
 
 from benchmarks import common
@@ -33,19 +34,23 @@ TINY = ModelConfig(vocab_size=256, dim=64, num_layers=4, num_heads=4, num_kv_hea
                    mlp_dim=192, num_mtp_heads=4, max_seq_len=512)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--model', default='smollm2', help="'smollm2', a llama .gguf path, or 'tiny' (a quick check)")
-  p.add_argument('--num_heads', type=int, default=4, help='K random MTP heads (depths above K loop them)')
-  p.add_argument('--batch_sizes', default='1,8')
-  p.add_argument('--depths', default='0,1,2,4,8', help='draft depths J; 0 = plain (always timed)')
-  p.add_argument('--prompt_len', type=int, default=64, help='prompt tokens (the cache holds these + new)')
-  p.add_argument('--max_new_tokens', type=int, default=128)
-  p.add_argument('--draft_vocab', type=int, default=0, help='also time J=4 with drafts over the V\' lowest ids')
-  p.add_argument('--steps', type=int, default=32, help='timed steps per loop')
-  p.add_argument('--repeats', type=int, default=3)
-  common.add_results_dir_arg(p)
-  return p.parse_args(argv)
+FLAGS = flags.FlagValues()  # this benchmark's own flags: names may repeat across benchmarks
+flags.DEFINE_string('model', 'smollm2',
+                    "'smollm2', a llama .gguf path, or 'tiny' (a quick check)", flag_values=FLAGS)
+flags.DEFINE_integer('num_heads', 4, 'K random MTP heads (depths above K loop them)', flag_values=FLAGS)
+flags.DEFINE_string('batch_sizes', '1,8', 'sequences decoded together, a list', flag_values=FLAGS)
+flags.DEFINE_string('depths', '0,1,2,4,8', 'draft depths J; 0 = plain (always timed)', flag_values=FLAGS)
+flags.DEFINE_integer('prompt_len', 64, 'prompt tokens (the cache holds these + new)', flag_values=FLAGS)
+flags.DEFINE_integer('max_new_tokens', 128, 'new tokens (sizes the KV cache)', flag_values=FLAGS)
+flags.DEFINE_integer('draft_vocab', 0, "also time J=4 with drafts over the V' lowest ids", flag_values=FLAGS)
+flags.DEFINE_integer('steps', 32, 'timed steps per loop', flag_values=FLAGS)
+flags.DEFINE_integer('repeats', 3, 'timed repeats of each loop (the best counts)', flag_values=FLAGS)
+common.define_results_dir(FLAGS)
+
+
+def parse_args(argv=None) -> types.SimpleNamespace:
+  """The flags from `argv` (default: the command line), every other flag at its default."""
+  return common.parse_flags(FLAGS, argv, __doc__)
 
 
 def _best_ms(f, *args, repeats: int = 5) -> float:
@@ -125,7 +130,7 @@ def step_bytes(model: MTPTransformer, b: int, j: int, s: int, draft_vocab: int) 
           'total': trunk + unembed + cfg.num_layers * kv + j * (head_block + draft_cols + kv)}
 
 
-def main(args: argparse.Namespace) -> dict:
+def main(args: types.SimpleNamespace) -> dict:
   if args.model == 'tiny':
     model = MTPTransformer(TINY, rngs=nnx.Rngs(0))
   else:

@@ -28,22 +28,23 @@ Prints name=value lines and writes benchmarks/results/decode_speed.json (a GGUF 
 decode_speed_<name>.json), with the date and command.
 """
 
-import argparse
 import dataclasses
 import functools
 import itertools
 import os
 import time
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import flags
 from flax import nnx
 
 from benchmarks import common
 from mtpd_jax import data, decode
-from mtpd_jax.harness import evaluate
+from mtpd_jax.harness import cli, evaluate
 from mtpd_jax.model import ModelConfig, MTPTransformer
 
 # An 8-layer trunk, so that a head (one block) costs about 1/8 of a trunk forward, as in real MTP models.
@@ -202,52 +203,63 @@ def hf_side_by_side(model: MTPTransformer, path: str, sets: dict, b1: dict, *, s
   }
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--model', default='tiny', help="'tiny', 'smollm2' or a llama .gguf path")
-  p.add_argument('--workdir', default='', help='GGUF: a training workdir whose trunk and heads are restored')
-  p.add_argument('--num_heads', type=int, default=4, help='GGUF: K heads trained here (a --workdir brings its own)')
-  p.add_argument('--train_steps', type=int, help='Adam steps (tiny: 300 on the synthetic stream, GGUF: 60)')
-  p.add_argument('--train_batch', type=int, help='rows per step (tiny: 16, GGUF: 4)')
-  p.add_argument('--train_seq', type=int, help='tokens per row (tiny: 64, GGUF: 128)')
-  p.add_argument('--lr', type=float, help='Adam learning rate (tiny: 3e-3, GGUF: 5e-4)')
-  p.add_argument('--train_chars', type=int, default=2_000_000, help='GGUF: embedded corpus size in characters')
-  p.add_argument('--code_fraction', type=float, default=0.25, help='GGUF: share of the corpus that is Python')
-  p.add_argument('--cache_dir', default='', help="GGUF: embedded corpus cache ('' = ~/.cache/mtpd_jax)")
-  p.add_argument('--seed', type=int, default=0, help='initialisation and training-data order')
-  p.add_argument('--num_layers', type=int, default=TINY.num_layers, help='tiny: trunk layers (a head: 1 block)')
-  p.add_argument('--depths', help='draft depths to benchmark (> K loops the heads; tiny: 4,8, GGUF: K)')
-  p.add_argument('--batch_sizes', help='prompts decoded together (tiny: 1, GGUF: 1,8)')
-  p.add_argument('--prompt_sets', default='chat,code,math', help='GGUF: built-in prompt sets')
-  p.add_argument('--num_prompts', type=int, default=8, help='prompts (tiny: held-out records; GGUF: per set)')
-  p.add_argument('--prompt_len', type=int, default=12, help='tiny: tokens per prompt')
-  p.add_argument('--max_prompt_tokens', type=int, default=256, help='GGUF: longest prompt, chat template included')
-  p.add_argument('--max_new_tokens', type=int, help='new tokens per prompt (tiny: 128, GGUF: 64)')
-  p.add_argument('--draft_vocab', default='0',
-                 help='draft among the N most frequent training tokens (0 = the whole vocabulary); a list '
-                      'compares sizes side by side')
-  p.add_argument('--repeats', type=int, default=3, help='timed passes (the best counts)')
-  p.add_argument('--timing_steps', type=int, help='steps of the per-step cost loops (tiny: 256, GGUF: 32)')
-  p.add_argument('--timing_repeats', type=int, help='repeats of the per-step cost loops (tiny: 5, GGUF: 2)')
-  p.add_argument('--hf', action=argparse.BooleanOptionalAction, default=True,
-                 help='GGUF: also time Hugging Face transformers at batch 1 (if installed)')
-  p.add_argument('--lookup_tokens', type=int, default=10, help="HF: prompt_lookup_num_tokens")
-  p.add_argument('--out', default='', help='results JSON (default benchmarks/results/decode_speed[_<model>].json)')
-  args = p.parse_args(argv)
+FLAGS = flags.FlagValues()  # this benchmark's own flags: names may repeat across benchmarks
+flags.DEFINE_string('model', 'tiny', "'tiny', 'smollm2' or a llama .gguf path", flag_values=FLAGS)
+flags.DEFINE_string('workdir', '',
+                    'GGUF: a training workdir whose trunk and heads are restored', flag_values=FLAGS)
+flags.DEFINE_integer('num_heads', 4,
+                     'GGUF: K heads trained here (a --workdir brings its own)', flag_values=FLAGS)
+flags.DEFINE_integer('train_steps', None,
+                     'Adam steps (tiny: 300 on the synthetic stream, GGUF: 60)', flag_values=FLAGS)
+flags.DEFINE_integer('train_batch', None, 'rows per step (tiny: 16, GGUF: 4)', flag_values=FLAGS)
+flags.DEFINE_integer('train_seq', None, 'tokens per row (tiny: 64, GGUF: 128)', flag_values=FLAGS)
+flags.DEFINE_float('lr', None, 'Adam learning rate (tiny: 3e-3, GGUF: 5e-4)', flag_values=FLAGS)
+flags.DEFINE_integer('train_chars', 2000000, 'GGUF: embedded corpus size in characters', flag_values=FLAGS)
+flags.DEFINE_float('code_fraction', 0.25, 'GGUF: share of the corpus that is Python', flag_values=FLAGS)
+flags.DEFINE_string('cache_dir', '',
+                    "GGUF: embedded corpus cache ('' = ~/.cache/mtpd_jax)", flag_values=FLAGS)
+flags.DEFINE_integer('seed', 0, 'initialisation and training-data order', flag_values=FLAGS)
+flags.DEFINE_integer('num_layers', TINY.num_layers, 'tiny: trunk layers (a head: 1 block)', flag_values=FLAGS)
+flags.DEFINE_string('depths', None,
+                    'draft depths to benchmark (> K loops the heads; tiny: 4,8, GGUF: K)', flag_values=FLAGS)
+flags.DEFINE_string('batch_sizes', None, 'prompts decoded together (tiny: 1, GGUF: 1,8)', flag_values=FLAGS)
+flags.DEFINE_string('prompt_sets', 'chat,code,math', 'GGUF: built-in prompt sets', flag_values=FLAGS)
+flags.DEFINE_integer('num_prompts', 8, 'prompts (tiny: held-out records; GGUF: per set)', flag_values=FLAGS)
+flags.DEFINE_integer('prompt_len', 12, 'tiny: tokens per prompt', flag_values=FLAGS)
+flags.DEFINE_integer('max_prompt_tokens', 256,
+                     'GGUF: longest prompt, chat template included', flag_values=FLAGS)
+flags.DEFINE_integer('max_new_tokens', None, 'new tokens per prompt (tiny: 128, GGUF: 64)', flag_values=FLAGS)
+flags.DEFINE_string('draft_vocab', '0', 'draft among the N most frequent training tokens (0 = the whole '
+                    'vocabulary); a list compares sizes side by side', flag_values=FLAGS)
+flags.DEFINE_integer('repeats', 3, 'timed passes (the best counts)', flag_values=FLAGS)
+flags.DEFINE_integer('timing_steps', None,
+                     'steps of the per-step cost loops (tiny: 256, GGUF: 32)', flag_values=FLAGS)
+flags.DEFINE_integer('timing_repeats', None,
+                     'repeats of the per-step cost loops (tiny: 5, GGUF: 2)', flag_values=FLAGS)
+flags.DEFINE_boolean('hf', True,
+                     'GGUF: also time Hugging Face transformers at batch 1 (if installed)', flag_values=FLAGS)
+flags.DEFINE_integer('lookup_tokens', 10, 'HF: prompt_lookup_num_tokens', flag_values=FLAGS)
+flags.DEFINE_string('out', '',
+                    'results JSON (default benchmarks/results/decode_speed[_<model>].json)', flag_values=FLAGS)
+
+
+def parse_args(argv=None) -> types.SimpleNamespace:
+  """The flags from `argv` (default: the command line), every other flag at its default."""
+  args = common.parse_flags(FLAGS, argv, __doc__)
   gguf = args.model != 'tiny'
   for name, values in MODE_DEFAULTS.items():
     if getattr(args, name) is None:
       setattr(args, name, values[gguf])
   if args.workdir and not gguf:
-    p.error('--workdir needs a GGUF --model (smollm2 or a .gguf path)')
+    raise cli.InputError('--workdir needs a GGUF --model (smollm2 or a .gguf path)')
   try:
     args.draft_vocab = [int(n) for n in str(args.draft_vocab).split(',')]
   except ValueError:
-    p.error(f'--draft_vocab={args.draft_vocab} must be a comma-separated list of integers')
+    raise cli.InputError(f'--draft_vocab={args.draft_vocab} must be a comma-separated list of integers')
   if any(n < 0 for n in args.draft_vocab) or len(set(args.draft_vocab)) != len(args.draft_vocab):
-    p.error(f'--draft_vocab={args.draft_vocab} must be distinct sizes >= 0')
+    raise cli.InputError(f'--draft_vocab={args.draft_vocab} must be distinct sizes >= 0')
   if args.out and not args.out.endswith('.json'):
-    p.error(f'--out={args.out} must name a .json file')
+    raise cli.InputError(f'--out={args.out} must name a .json file')
   if not args.out:
     name = 'smollm2' if args.model == 'smollm2' else os.path.splitext(os.path.basename(args.model))[0]
     args.out = os.path.join(common.RESULTS_DIR, 'decode_speed.json' if not gguf else f'decode_speed_{name}.json')
@@ -278,7 +290,7 @@ def _print(prefix: str, r: dict) -> None:
   print(f"{prefix}/ar=" + ','.join(f'{x:.3f}' for x in r['ar']))
 
 
-def main(args: argparse.Namespace) -> dict:
+def main(args: types.SimpleNamespace) -> dict:
   gguf = args.model != 'tiny'
   model, sets, stop, pad, train_tokens, info = (_gguf_setup if gguf else _tiny_setup)(args)
   vocabs = {n: evaluate.frequent_tokens(np.ravel(train_tokens()), n) if n else None for n in args.draft_vocab}
@@ -327,5 +339,4 @@ def main(args: argparse.Namespace) -> dict:
 
 
 if __name__ == '__main__':
-  from mtpd_jax.harness import cli
   cli.run(lambda: main(parse_args()))  # bad input: one 'error:' line, exit 2

@@ -10,7 +10,6 @@ both tokenizers and the logits of every position. Prints name=value lines, the l
 `max_abs_logit_diff=<x>`, and writes benchmarks/results/hf_parity.json (or --out). Needs requirements-hf.txt.
 """
 
-import argparse
 import json
 import os
 import time
@@ -19,7 +18,9 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')  # never reach a hub: the GGUF file
 
 import jax
 import numpy as np
+from absl import flags
 
+from benchmarks import common
 from mtpd_jax.harness import gguf_llama
 
 RESULTS = os.path.join(os.path.dirname(__file__), 'results', 'hf_parity.json')
@@ -75,11 +76,13 @@ def compare(ref: str = 'smollm2', texts=TEXTS, chat=CHAT) -> dict:
           'hf_load_s': hf_load_s, 'ours_load_s': ours_load_s, 'max_abs_logit_diff': max(diffs)}
 
 
+FLAGS = flags.FlagValues()
+flags.DEFINE_string('ref', 'smollm2', "'smollm2' or a llama .gguf path", flag_values=FLAGS)
+flags.DEFINE_string('out', RESULTS, 'where the JSON result goes', flag_values=FLAGS)
+
+
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--ref', default='smollm2', help="'smollm2' or a llama .gguf path")
-  parser.add_argument('--out', default=RESULTS, help='where the JSON result goes')
-  args = parser.parse_args()
+  args = common.parse_flags(FLAGS, None, __doc__)
   result = compare(args.ref)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, 'w') as f:

@@ -15,26 +15,30 @@ headline `flops_fraction` is the default path's. Writes
 benchmarks/results/train_efficiency.json.
 """
 
-import argparse
 import statistics
+import types
 
 import jax
+from absl import flags
 
 from benchmarks import common
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--config', default='v32k', help="'v32k' (d=512, V=32k) or 'tiny' (a smoke run)")
-  p.add_argument('--heads', type=int, default=4, help='K')
-  p.add_argument('--distill', type=int, default=1, help='1: MTP-D, 0: CE-only MTP')
-  p.add_argument('--reps', type=int, default=3, help='timed steps after one warm-up step')
-  p.add_argument('--batch_size', type=int, default=1)
-  p.add_argument('--seq_len', type=int, default=1024)
-  p.add_argument('--matmul_n', type=int, default=2048, help='size of the reference matmul')
-  p.add_argument('--fused_chunk_rows', type=int, default=256, help='0: skip the fused loss')
-  common.add_results_dir_arg(p)
-  return p.parse_args(argv)
+FLAGS = flags.FlagValues()  # this benchmark's own flags: names may repeat across benchmarks
+flags.DEFINE_string('config', 'v32k', "'v32k' (d=512, V=32k) or 'tiny' (a smoke run)", flag_values=FLAGS)
+flags.DEFINE_integer('heads', 4, 'K', flag_values=FLAGS)
+flags.DEFINE_integer('distill', 1, '1: MTP-D, 0: CE-only MTP', flag_values=FLAGS)
+flags.DEFINE_integer('reps', 3, 'timed steps after one warm-up step', flag_values=FLAGS)
+flags.DEFINE_integer('batch_size', 1, 'sequences per step', flag_values=FLAGS)
+flags.DEFINE_integer('seq_len', 1024, 'tokens per sequence', flag_values=FLAGS)
+flags.DEFINE_integer('matmul_n', 2048, 'size of the reference matmul', flag_values=FLAGS)
+flags.DEFINE_integer('fused_chunk_rows', 256, '0: skip the fused loss', flag_values=FLAGS)
+common.define_results_dir(FLAGS)
+
+
+def parse_args(argv=None) -> types.SimpleNamespace:
+  """The flags from `argv` (default: the command line), every other flag at its default."""
+  return common.parse_flags(FLAGS, argv, __doc__)
 
 
 def model_flops(config) -> float:
@@ -48,7 +52,7 @@ def model_flops(config) -> float:
   return 6.0 * per_token * b * t + attention
 
 
-def main(args: argparse.Namespace) -> dict:
+def main(args: types.SimpleNamespace) -> dict:
   config = common.get_config(args.config, num_heads=args.heads, distill=bool(args.distill),
                              batch_size=args.batch_size, seq_len=args.seq_len)
   ceiling_before = common.matmul_flops_per_s(args.matmul_n)

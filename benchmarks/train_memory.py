@@ -12,23 +12,27 @@ reports; `logits/...` the loss on full logits (loss_chunk_rows=0). Prints name=v
 writes benchmarks/results/train_memory.json.
 """
 
-import argparse
+import types
 
 import jax
+from absl import flags
 
 from benchmarks import common
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--config', default='v32k', help="'v32k' (d=512, V=32k) or 'tiny' (a smoke run)")
-  p.add_argument('--heads', type=int, default=4, help='K of the numerator step')
-  p.add_argument('--batch_size', type=int, default=2)
-  p.add_argument('--seq_len', type=int, default=1024)
-  p.add_argument('--fused_chunk_rows', type=int, default=256, help='0: skip the fused loss')
-  p.add_argument('--remat', type=int, default=0, help='1: model.remat (recompute blocks in the backward)')
-  common.add_results_dir_arg(p)
-  return p.parse_args(argv)
+FLAGS = flags.FlagValues()  # this benchmark's own flags: names may repeat across benchmarks
+flags.DEFINE_string('config', 'v32k', "'v32k' (d=512, V=32k) or 'tiny' (a smoke run)", flag_values=FLAGS)
+flags.DEFINE_integer('heads', 4, 'K of the numerator step', flag_values=FLAGS)
+flags.DEFINE_integer('batch_size', 2, 'sequences per step', flag_values=FLAGS)
+flags.DEFINE_integer('seq_len', 1024, 'tokens per sequence', flag_values=FLAGS)
+flags.DEFINE_integer('fused_chunk_rows', 256, '0: skip the fused loss', flag_values=FLAGS)
+flags.DEFINE_integer('remat', 0, '1: model.remat (recompute blocks in the backward)', flag_values=FLAGS)
+common.define_results_dir(FLAGS)
+
+
+def parse_args(argv=None) -> types.SimpleNamespace:
+  """The flags from `argv` (default: the command line), every other flag at its default."""
+  return common.parse_flags(FLAGS, argv, __doc__)
 
 
 def step_memory(name: str, num_heads: int, batch_size: int, seq_len: int, fused_chunk_rows: int = 0,
@@ -45,7 +49,7 @@ def step_memory(name: str, num_heads: int, batch_size: int, seq_len: int, fused_
   return out
 
 
-def main(args: argparse.Namespace) -> dict:
+def main(args: types.SimpleNamespace) -> dict:
   k, c = args.heads, args.fused_chunk_rows
   r = bool(args.remat)
   mem = {f'k{k}': step_memory(args.config, k, args.batch_size, args.seq_len, 0, r),

@@ -15,26 +15,31 @@ with the loss on full logits. Prints name=value lines, writes
 benchmarks/results/<name>.json (~7 minutes on 2 busy cores with the defaults).
 """
 
-import argparse
 import statistics
+import types
 
 import jax
+from absl import flags
 
 from benchmarks import common
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--configs', default='tiny,v32k', help="'tiny' (configs/tiny.py), 'v32k' (d=512, V=32k, T=1024)")
-  p.add_argument('--heads', default='1,4', help='values of K')
-  p.add_argument('--selections', default='threshold', help="MTP-D Top-N selections: 'threshold', 'top_k'")
-  p.add_argument('--reps', type=int, default=3, help='alternating timed rounds after warm-up')
-  p.add_argument('--batch_size', type=int, default=1, help='v32k batch (tiny keeps its own 8)')
-  p.add_argument('--seq_len', type=int, default=0, help='v32k sequence length (0: 1024)')
-  p.add_argument('--fused_chunk_rows', type=int, default=256, help='0: skip the fused loss')
-  p.add_argument('--name', default='train_overhead', help='results file name')
-  common.add_results_dir_arg(p)
-  return p.parse_args(argv)
+FLAGS = flags.FlagValues()  # this benchmark's own flags: names may repeat across benchmarks
+flags.DEFINE_string('configs', 'tiny,v32k', "'tiny' (configs/tiny.py), 'v32k' (d=512, V=32k, T=1024)",
+                    flag_values=FLAGS)
+flags.DEFINE_string('heads', '1,4', 'values of K', flag_values=FLAGS)
+flags.DEFINE_string('selections', 'threshold', "MTP-D Top-N selections: 'threshold', 'top_k'", flag_values=FLAGS)
+flags.DEFINE_integer('reps', 3, 'alternating timed rounds after warm-up', flag_values=FLAGS)
+flags.DEFINE_integer('batch_size', 1, 'v32k batch (tiny keeps its own 8)', flag_values=FLAGS)
+flags.DEFINE_integer('seq_len', 0, 'v32k sequence length (0: 1024)', flag_values=FLAGS)
+flags.DEFINE_integer('fused_chunk_rows', 256, '0: skip the fused loss', flag_values=FLAGS)
+flags.DEFINE_string('name', 'train_overhead', 'results file name', flag_values=FLAGS)
+common.define_results_dir(FLAGS)
+
+
+def parse_args(argv=None) -> types.SimpleNamespace:
+  """The flags from `argv` (default: the command line), every other flag at its default."""
+  return common.parse_flags(FLAGS, argv, __doc__)
 
 
 def measure(name: str, num_heads: int, selections: list[str], reps: int, batch_size: int, seq_len: int,
@@ -64,7 +69,7 @@ def measure(name: str, num_heads: int, selections: list[str], reps: int, batch_s
   return out
 
 
-def main(args: argparse.Namespace) -> dict:
+def main(args: types.SimpleNamespace) -> dict:
   selections = args.selections.split(',')
   results = {'reps': args.reps, 'selections': selections, 'fused_chunk_rows': args.fused_chunk_rows, 'runs': {}}
   for name in args.configs.split(','):

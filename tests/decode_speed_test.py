@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from benchmarks import decode_speed, hf_generate
+from mtpd_jax.harness import cli
 
 QUICK = ['--num_prompts=2', '--max_new_tokens=8', '--repeats=1', '--timing_steps=4', '--timing_repeats=1']
 
@@ -45,7 +46,7 @@ def test_parse_args_fills_per_model_defaults():
   real = decode_speed.parse_args(['--model=smollm2', '--train_steps=7'])
   assert (real.train_steps, real.train_batch, real.train_seq, real.depths, real.batch_sizes) == (7, 4, 128, '', '1,8')
   assert real.out.endswith('results/decode_speed_smollm2.json')
-  with pytest.raises(SystemExit):
+  with pytest.raises(cli.InputError, match='--workdir needs a GGUF'):
     decode_speed.parse_args(['--workdir=somewhere'])  # a workdir needs a GGUF model
 
 
@@ -81,7 +82,7 @@ def test_gguf_quick_with_hf_side_by_side(fake_gguf, tmp_path):
       QUICK + [f'--model={fake_gguf}', f'--cache_dir={tmp_path / "cache"}', '--train_chars=20000',
                '--train_steps=3', '--train_batch=2', '--train_seq=16', '--max_prompt_tokens=48',
                '--num_heads=2', '--batch_sizes=1,2', '--prompt_sets=chat,code', '--draft_vocab=64,0',
-               '--hf' if hf else '--no-hf', f'--out={out}']))
+               '--hf' if hf else '--nohf', f'--out={out}']))
   saved = json.loads(out.read_text())
   assert saved['num_heads'] == 2 and saved['file'] == 'tiny.gguf' and saved['train_tokens'] == 3 * 2 * 17
   assert len(saved['train_xent_first']) == len(saved['train_xent_last']) == 2
@@ -115,7 +116,7 @@ def test_gguf_workdir_brings_its_own_trained_heads(fake_gguf, tmp_path):
   training.train_and_evaluate(c, str(tmp_path / 'run'), progress=False)
   saved = decode_speed.main(decode_speed.parse_args(
       QUICK + [f'--model={fake_gguf}', f'--workdir={tmp_path / "run"}', '--max_prompt_tokens=32',
-               '--batch_sizes=1', '--prompt_sets=math', '--no-hf', f'--out={tmp_path / "out.json"}']))
+               '--batch_sizes=1', '--prompt_sets=math', '--nohf', f'--out={tmp_path / "out.json"}']))
   assert saved['num_heads'] == 3 and saved['workdir'] == str(tmp_path / 'run')  # not --num_heads' default 4
   assert 'train_s' not in saved  # nothing was trained here
   _check_run(saved['sets']['math']['b1']['depth3'], 3)

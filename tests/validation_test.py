@@ -345,7 +345,7 @@ def _cli(module, *args, timeout=180):
 @pytest.mark.parametrize('module,args,message', [
     ('experiments.run', ['--config=tiny:quick'], "'tiny:quick' is not a variant"),
     ('experiments.evaluate', [], 'Flag --workdir must have a value'),
-    ('benchmarks.train_memory', ['--bogus'], 'unrecognized arguments: --bogus'),
+    ('benchmarks.train_memory', ['--bogus'], "Unknown command line flag 'bogus'"),
     ('benchmarks.hf_parity', ['--ref=/no/such.gguf'], '/no/such.gguf'),
     ('experiments.config_doc', ['--write', '/no/such/README.md'], '/no/such/README.md'),
 ])

@@ -7,8 +7,6 @@ too. A run stopped by SIGTERM/SIGINT after its checkpoint exits with 128+signal.
 only, so `--help` stays fast.
 """
 
-import argparse
-import contextlib
 import importlib.util
 import inspect
 import os
@@ -69,26 +67,12 @@ def report(e: BaseException, verbose: bool) -> int:
   return EXIT_BUG
 
 
-@contextlib.contextmanager
-def _argparse_raises():
-  """argparse's usage errors become InputError, so they end as one line like every other error."""
-  def error(self, message):
-    raise InputError(f'{self.prog}: {message}')
-  original = argparse.ArgumentParser.error
-  argparse.ArgumentParser.error = error
-  try:
-    yield
-  finally:
-    argparse.ArgumentParser.error = original
-
-
 def run(fn: Callable[[], object]) -> None:
   """Run an entry point's body under the shared error handling and exit; `--verbose` is taken from argv."""
   verbose = '--verbose' in sys.argv
   sys.argv = [a for a in sys.argv if a != '--verbose']
   try:
-    with _argparse_raises():
-      fn()
+    fn()
   except SystemExit:
     raise
   except KeyboardInterrupt:
