@@ -17,8 +17,11 @@ $(BIN)/.installed: requirements.txt requirements-data.txt requirements-hf.txt
 run: $(BIN)/.installed
 	$(BIN)/python -m experiments.run --config=ablation_topn
 
+# Tests run on every core (at most 4 workers); most of their time is XLA compiling, one core each.
+PYTEST := $(BIN)/python -m pytest -q -n auto --maxprocesses=4 --dist worksteal
+
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q tests
+	$(PYTEST) tests
 
 test-fast: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests

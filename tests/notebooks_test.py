@@ -59,6 +59,7 @@ def test_quickstart_runs_and_shows_tables_plots_decoding_and_speedup(tmp_path, m
 
 
 @pytest.mark.slow
+@pytest.mark.long  # about 14 minutes on 2 cores: each row compiles and decodes the 30-layer model
 def test_real_model_notebook_trains_heads_on_smollm2_and_drafts_to_depth_8(tmp_path, monkeypatch):
   nb = run_notebook('real_model_heads.ipynb', tmp_path, monkeypatch, quick=True, runs_dir=str(tmp_path / 'runs'),
                     results_dir=str(tmp_path / 'results'), loop_depth=8)
