@@ -125,7 +125,7 @@ def define_results_dir(flag_values: flags.FlagValues) -> None:
 
 
 def parse_flags(flag_values: flags.FlagValues, argv, doc: str) -> types.SimpleNamespace:
-  """The values of `flag_values` parsed from `argv` (None: the command line); flags not given keep their defaults.
+  """The values of `flag_values` parsed from `argv` (None: the command line); others at their defaults.
 
   Each benchmark defines its flags in a FlagValues of its own (their names repeat across benchmarks),
   so tests can parse one benchmark's flags several times in one process. `--help` prints them; a

@@ -18,7 +18,7 @@ Dispatch:
     C = ceil(capacity_factor · R · A / X) choices per group, in token order (token-major, so a
     token's slot depends only on earlier tokens: the trunk stays causal). A choice over capacity is
     dropped: its share of the token's output is zero and the token passes through the residual.
-    The dispatch is a one-hot einsum into an [X, U, C, D] buffer, which shards over experts.
+    The dispatch is a one-hot einsum into an [X, Y, C, D] buffer, which shards over experts.
   * dropless: every token reaches all its A experts. Computed densely (every expert on every
     token, weighted by the gates; X/A times the expert FLOPs), so it suits decoding and small
     models. The inference entry points (`trunk`, `mtp_head`) are always dropless, so a token's
@@ -42,7 +42,7 @@ class MoEConfig:
   expert_dim: int = 0             # F of each expert (and of each shared expert); 0 = model.mlp_dim
   num_shared_experts: int = 0     # experts every token passes through (one SwiGLU of width s·F)
   capacity_factor: float = 1.25   # training forward: slots per expert = factor·R·A/X; <= 0 = dropless
-  group_size: int = 0             # M, tokens per routing group; 0 = the whole sequence
+  group_size: int = 0             # R, tokens per routing group; 0 = the whole sequence
   renormalize_gates: bool = True  # top-k gates sum to 1 (DeepSeek); False = raw softmax probabilities
   aux_loss_weight: float = 0.01   # Switch-style balancing loss weight (0 = off)
   bias_update_rate: float = 0.0   # DeepSeek-V3 balancing bias step per train step (0 = off)
