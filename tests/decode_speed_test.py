@@ -24,6 +24,7 @@ def _check_run(r: dict, depth: int) -> None:
   assert r['plain_tokens_per_s'] > 0 and r['spec_tokens_per_s'] > 0
 
 
+@pytest.mark.slow
 def test_tiny_quick(tmp_path):
   out = tmp_path / 'decode_speed.json'
   results = decode_speed.main(decode_speed.parse_args(

@@ -33,6 +33,7 @@ def test_transplant_copies_the_trunk_and_loops_heads():
                      src, loop_heads=True)
 
 
+@pytest.mark.slow
 def test_looped_stages_train_only_the_new_heads(tmp_path):
   config = small_config(num_heads=1, steps=4)
   config.looped.schedule = (1, 3)
@@ -57,6 +58,7 @@ def test_looped_stages_train_only_the_new_heads(tmp_path):
                                 p3['mtp_heads'][2]['proj'][...])
 
 
+@pytest.mark.slow
 @pytest.mark.reliability
 def test_an_interrupted_looped_stage_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
   config = small_config(num_heads=1, steps=4)

@@ -212,6 +212,7 @@ def _setup(config, mesh):
   return state, step_fn
 
 
+@pytest.mark.slow
 def test_expert_sharded_step_equals_the_single_device_step():
   config = _moe_config(num_heads=1, bias_update_rate=0.01)
   config.train.eps = 1e-3  # as train_test: Adam's first steps amplify reduction-order noise otherwise
@@ -241,6 +242,7 @@ def test_expert_sharded_step_equals_the_single_device_step():
   assert np.all(np.isclose(np.abs(bias), 0.01) | np.isclose(np.abs(bias), 0.03)), bias
 
 
+@pytest.mark.slow
 def test_moe_tiny_trunk_trains_with_mtpd_heads(tmp_path):
   config = small_config(num_heads=2, steps=40)
   model_presets.apply(config, 'moe_tiny')

@@ -32,6 +32,7 @@ def _ckpt_steps(workdir):
   return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_after_the_current_step_and_a_rerun_resumes(tmp_path):
   workdir = str(tmp_path / 'run')
   cmd = [sys.executable, '-m', 'experiments.run', '--config=tiny', f'--workdir={workdir}',
@@ -59,6 +60,7 @@ def _train(config, workdir):
   return training.train_and_evaluate(config, str(workdir), progress=False)
 
 
+@pytest.mark.slow
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
   config = small_config(steps=8)   # checkpoints at 4 and 8
   _train(config, tmp_path)

@@ -25,6 +25,7 @@ def _params(state):
   return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(state.params)}
 
 
+@pytest.mark.slow
 def test_step_on_a_4x2_mesh_equals_the_single_device_step():
   config = small_config()
   # Adam's first steps are ±lr for any |g| >> eps, which turns 1e-9 reduction-order noise in
@@ -151,6 +152,7 @@ def test_resolve_beta_defaults_and_schedules():
     recipe.resolve_beta(config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('num_heads,distill', [(2, True), (2, False)])
 def test_fused_chunked_loss_step_equals_the_logits_step(num_heads, distill):
   """train.loss_chunk_rows > 0 (loss from hidden states in row chunks) trains exactly as 0 does."""

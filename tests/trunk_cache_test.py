@@ -58,6 +58,7 @@ def _head_params(state):
           jax.tree_util.tree_leaves_with_path(state.params['mtp_heads'])}
 
 
+@pytest.mark.slow
 def test_training_from_the_cache_matches_training_through_the_trunk_and_reuses_the_cache(tmp_path):
   config = _config(tmp_path)
   state_a, final_a = training.train_and_evaluate(config, str(tmp_path / 'cached'), progress=False)
@@ -162,6 +163,7 @@ def test_a_full_disk_is_refused_before_writing(tmp_path, monkeypatch):
   assert os.listdir(directory) == ['meta.json']
 
 
+@pytest.mark.slow
 def test_every_looped_stage_reads_the_one_cache_of_the_frozen_trunk(tmp_path):
   from mtpd_jax.harness import looped
   config = _config(tmp_path)
