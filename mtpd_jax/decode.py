@@ -71,7 +71,7 @@ class DecodeState(NamedTuple):
   key: jax.Array
   caches: list[Cache]             # trunk, valid for positions < length-1
   logits_BxV: jax.Array           # main logits at length-2, from which the pending token was chosen
-  accept_BxI: jax.Array | None = None          # accepted drafts at step n; -1 when not active
+  accept_BxI: jax.Array | None = None          # accepted drafts at step i; -1 when not active
   h0_BxSxD: jax.Array | None = None            # trunk hidden states by position
   head_caches: list[Cache] | None = None       # one per draft depth
   draft_logits_BxJxV: jax.Array | None = None  # sampling only: depth-j logits that drafted tokens[length-1+j]

@@ -91,7 +91,7 @@ def _prompt_counts(runs, name: str):
 
 
 def paired_bootstrap(a_Bx3, b_Bx3, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict:
-  """AR1 and tokens per forward of `a` minus `b` on the same P prompts (rows: steps, accepted_1, accepted).
+  """AR1 and tokens per forward of `a` minus `b` on the same B prompts (rows: steps, accepted_1, accepted).
 
   `diff` is the difference over all prompts; `lo`/`hi` the 2.5 and 97.5 percentiles of it over
   prompts resampled with replacement, the same resample for both (a paired bootstrap);
