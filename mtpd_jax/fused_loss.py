@@ -14,7 +14,9 @@ on row j, so a chunk of rows holds each KL pair whole.
 Supported (see `supports`): plain MTP, and MTP-D with teacher='main', detach=True and
 selection='threshold' (the defaults) with any top_n (or None), top_n_mode, renormalize, kl and
 tau. Any other setting is refused (the harness refuses it when it reads the config). Metrics are
-not differentiable.
+not differentiable. The default forward KL in 'teacher' mode takes all heads in one set of
+whole-array passes against one teacher distribution per chunk (`_shared_teacher_kl`); the other
+modes go head by head (`_per_head_kl`).
 """
 
 import functools
@@ -50,18 +52,14 @@ def _chunk(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg):
     t_1xRxV = z_K1xRxV[:1] / tau
     thr_1xR = (losses.top_n_threshold(t_1xRxV, top_n) if top_n is not None
                else jnp.full((1, rows), -jnp.inf))
-    # In 'teacher' mode the teacher's log-normaliser over S is shared by every head.
-    t_lse = losses.teacher_log_normalizer(t_1xRxV, thr_1xR, renormalize) if top_n_mode == 'teacher' else None
-    kls, ds = [], [jnp.zeros((1, rows, v), jnp.float32)]
-    for k in range(1, num_pred):
-      s_1xRxV = z_K1xRxV[k:k + 1] / tau
-      s_thr_1xR = losses.top_n_threshold(s_1xRxV, top_n) if top_n_mode == 'union' else None
-      kl_1xR, res = losses.detached_kl_fwd(t_1xRxV, s_1xRxV, thr_1xR, s_thr_1xR, t_lse, 0, kl, renormalize)
-      g_1xR = kl_coef_K[k - 1] * mask_K1xR[k:k + 1]
-      ds.append(losses.detached_kl_bwd(0, kl, renormalize, res, g_1xR)[1] / tau)
-      kls.append(kl_1xR[0])
-    dz_K1xRxV = dz_K1xRxV + jnp.concatenate(ds)
-    sums['kl'] = jnp.sum(jnp.stack(kls) * mask_K1xR[1:], axis=-1)
+    g_K1xR = jnp.concatenate([jnp.zeros(1), kl_coef_K])[:, None] * mask_K1xR  # the main row has no KL
+    args = (z_K1xRxV, thr_1xR, g_K1xR, top_n, top_n_mode, kl, renormalize, tau)
+    if _shares_the_teacher(top_n_mode, kl):
+      kl_K1xR, ds_K1xRxV = _shared_teacher_kl(z_K1xRxV, m_K1xR, thr_1xR, g_K1xR, renormalize, tau)
+    else:
+      kl_K1xR, ds_K1xRxV = _per_head_kl(*args)
+    dz_K1xRxV = dz_K1xRxV + ds_K1xRxV
+    sums['kl'] = jnp.sum(kl_K1xR[1:] * mask_K1xR[1:], axis=-1)
   # A frozen trunk (and final norm) takes no gradient from the main head's row, and a frozen
   # unembedding none at all: those products are skipped, not computed and dropped.
   first = 0 if main_grad else 1
@@ -74,6 +72,60 @@ def _chunk(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg):
   else:
     dw_DxV = jnp.zeros(w_DxV.shape, jnp.float32)
   return sums, dx_K1xRxD.astype(x_K1xRxD.dtype), dw_DxV
+
+
+def _per_head_kl(z_K1xRxV, thr_1xR, g_K1xR, top_n, top_n_mode, kl, renormalize, tau):
+  """Each head's KL against the main row (row 0) and its gradient w.r.t. the logits, one head at
+  a time through `losses.detached_kl_fwd`/`_bwd`: any mode and direction. Row 0's are zeros."""
+  rows, v = z_K1xRxV.shape[1:]
+  t_1xRxV = z_K1xRxV[:1] / tau
+  # In 'teacher' mode the teacher's log-normaliser over S is shared by every head.
+  t_lse = losses.teacher_log_normalizer(t_1xRxV, thr_1xR, renormalize) if top_n_mode == 'teacher' else None
+  kls, ds = [jnp.zeros(rows, jnp.float32)], [jnp.zeros((1, rows, v), jnp.float32)]
+  for k in range(1, z_K1xRxV.shape[0]):
+    s_1xRxV = z_K1xRxV[k:k + 1] / tau
+    s_thr_1xR = losses.top_n_threshold(s_1xRxV, top_n) if top_n_mode == 'union' and top_n is not None else None
+    kl_1xR, res = losses.detached_kl_fwd(t_1xRxV, s_1xRxV, thr_1xR, s_thr_1xR, t_lse, 0, kl, renormalize)
+    ds.append(losses.detached_kl_bwd(0, kl, renormalize, res, g_K1xR[k:k + 1])[1] / tau)
+    kls.append(kl_1xR[0])
+  return jnp.stack(kls), jnp.concatenate(ds)
+
+
+def _shares_the_teacher(top_n_mode, kl) -> bool:
+  """Whether `_shared_teacher_kl` computes this KL: one selection for all heads, forward KL."""
+  return top_n_mode == 'teacher' and kl == 'forward'
+
+
+def _shared_teacher_kl(z_K1xRxV, m_K1xR, thr_1xR, g_K1xR, renormalize, tau):
+  """`_per_head_kl` for forward KL in 'teacher' mode, in a few whole-array passes for all heads.
+
+  The teacher's selection S and probabilities q (zero off S) are computed once per chunk. With
+  each head's softmax p over S (over V without renormalisation), log-normaliser lse_s and the
+  teacher's lse_t,
+
+    KL(q ‖ p) = Σ_S q·(t - s) + Σ_S q·(lse_s - lse_t),   d KL / d s = p·Σ_S q - q.
+
+  Equal to `_per_head_kl` to f32 rounding.
+  """
+  t_RxV = z_K1xRxV[0] / tau
+  thr_R = thr_1xR[0]
+  sel_RxV = losses.selection_mask(t_RxV, thr_R)
+  t_m_R, t_l_R = losses.teacher_log_normalizer(t_RxV, thr_R, renormalize)
+  q_RxV = jnp.exp(t_RxV - (t_m_R + t_l_R)[:, None]) * sel_RxV
+  mass_R = jnp.sum(q_RxV, axis=-1)  # Σ_S q: 1 (to rounding) when renormalised
+  s_K1xRxV = z_K1xRxV / tau
+  if renormalize:
+    s_K1xRxV = losses.deselect(s_K1xRxV, sel_RxV[None])
+    s_m_K1xR = jnp.max(s_K1xRxV, axis=-1)
+  else:
+    s_m_K1xR = m_K1xR / tau
+  s_l_K1xR = jnp.log(jnp.sum(jnp.exp(s_K1xRxV - s_m_K1xR[..., None]), axis=-1))
+  s_lse_K1xR = s_m_K1xR + s_l_K1xR
+  cross_K1xR = jnp.sum(q_RxV[None] * (t_RxV[None] - z_K1xRxV / tau), axis=-1)
+  kl_K1xR = cross_K1xR + mass_R[None] * (s_lse_K1xR - (t_m_R + t_l_R)[None])
+  p_K1xRxV = jnp.exp(s_K1xRxV - s_lse_K1xR[..., None])
+  ds = g_K1xR[..., None] * (p_K1xRxV * mass_R[None, :, None] - q_RxV[None])
+  return kl_K1xR, ds / tau
 
 
 def _fused_fwd(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg, chunk_rows):

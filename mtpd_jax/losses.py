@@ -158,19 +158,24 @@ def selection_mask(teacher_BxTxV, threshold_BxT, student_BxTxV=None, student_thr
   return sel
 
 
+def deselect(x_BxTxV, sel_BxTxV):
+  """x on the selection and -1e30 off it (arithmetic, not a select, so XLA:CPU keeps it fused):
+  a softmax of the result is exactly 0 off the selection."""
+  return x_BxTxV + (sel_BxTxV - 1.0) * _OFF
+
+
 def teacher_log_normalizer(t_BxTxV, threshold_BxT, renormalize: bool):
   """`log_normalizer` of the teacher over its own selection (over V if not `renormalize`): in
   'teacher' mode it is the same for every head, so it is computed once per row."""
   if not renormalize:
     return log_normalizer(t_BxTxV)
-  return log_normalizer(t_BxTxV + (selection_mask(t_BxTxV, threshold_BxT) - 1.0) * _OFF)
+  return log_normalizer(deselect(t_BxTxV, selection_mask(t_BxTxV, threshold_BxT)))
 
 
 def _masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT=None, s_lse_BxT=None):
   """Teacher and student log-probabilities, over the selection or (renormalize=False) over V."""
   if renormalize:
-    off_BxTxV = (sel_BxTxV - 1.0) * _OFF  # unselected: -1e30, so their probabilities are exactly 0
-    t_BxTxV, s_BxTxV = t_BxTxV + off_BxTxV, s_BxTxV + off_BxTxV
+    t_BxTxV, s_BxTxV = deselect(t_BxTxV, sel_BxTxV), deselect(s_BxTxV, sel_BxTxV)
   t_lse_BxT = log_normalizer(t_BxTxV) if t_lse_BxT is None else t_lse_BxT
   s_lse_BxT = log_normalizer(s_BxTxV) if s_lse_BxT is None else s_lse_BxT
   return _log_probs(t_BxTxV, t_lse_BxT), _log_probs(s_BxTxV, s_lse_BxT), t_lse_BxT, s_lse_BxT

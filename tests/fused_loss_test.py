@@ -14,15 +14,20 @@ from conftest import gathered_shapes, loss_inputs, small_config
 
 
 @pytest.mark.parametrize('kw', [
-    dict(),
-    dict(kl='reverse', renormalize=False, tau=1.5),
-    dict(top_n_mode='union', top_n=5),
+    dict(),                                          # one shared teacher for all heads (forward KL)
+    dict(tau=2.0),
+    dict(renormalize=False, tau=0.7),
     dict(top_n=None),
+    dict(kl='reverse', renormalize=False, tau=1.5),  # head by head
+    dict(top_n_mode='union', top_n=5),
     dict(distill=False),
+    dict(far_heads=True),  # heads' selected logits > 40 nats below their maxima: the exact path
 ])
 def test_fused_loss_from_hidden_states_equals_the_loss_of_the_logits(kw):
   k, b, t, d, v = 3, 2, 10, 6, 40
   hidden = jax.random.normal(jax.random.key(40), (k + 1, b, t, d))
+  if kw.pop('far_heads', False):  # each head's logits: the main head's of its teacher row, times -30
+    hidden = hidden.at[1:].set(jnp.stack([-30.0 * jnp.roll(hidden[0], -j, axis=1) for j in range(1, k + 1)]))
   w = jax.random.normal(jax.random.key(41), (d, v)) * 2.0
   _, _, targets, seg, tseg = loss_inputs(k=k, b=b, t=t, v=v)
   cfg = losses.LossConfig(**{'beta': (1.0, 0.5, 0.25), 'top_n': 7, **kw})
