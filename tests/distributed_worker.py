@@ -1,12 +1,11 @@
 """One process of a CPU training run on a (4, 2) mesh of 8 devices in all (for distributed_test.py).
 
-  python tests/distributed_worker.py --mode=steps|train --out=OUT.npz --workdir=DIR --local_devices=8
+  python tests/distributed_worker.py --out=OUT.npz --workdir=DIR --local_devices=8
   python tests/distributed_worker.py ... --local_devices=4 --coordinator=127.0.0.1:PORT --num_processes=2 --process_id=I
-  (--steps=N: mode train runs N steps; a SIGTERM checkpoints and exits 143, and a rerun resumes)
+  (--steps=N runs N steps; a SIGTERM checkpoints and exits 143, and a rerun resumes)
 
-`steps` runs NUM_STEPS train steps built from the library pieces; `train` runs `train_and_evaluate`
-with checkpoints in DIR. Process 0 writes the per-step losses, the final eval loss and the final
-parameters (gathered to the host, keyed `param<path>`) to OUT.npz.
+It runs `train_and_evaluate` with checkpoints in DIR. Process 0 writes the per-step losses, the
+final eval loss and the final parameters (gathered to the host, keyed `param<path>`) to OUT.npz.
 """
 
 import argparse
@@ -21,14 +20,13 @@ NUM_STEPS = 4
 def parse_args(argv):
   """The command line above; --coordinator makes this process one of --num_processes."""
   p = argparse.ArgumentParser()
-  p.add_argument('--mode', choices=('steps', 'train'), required=True)
   p.add_argument('--out', required=True)
-  p.add_argument('--workdir', help='checkpoints and metrics.jsonl (mode train)')
+  p.add_argument('--workdir', required=True, help='checkpoints and metrics.jsonl')
   p.add_argument('--local_devices', type=int, required=True)
   p.add_argument('--coordinator')
   p.add_argument('--num_processes', type=int, default=1)
   p.add_argument('--process_id', type=int, default=0)
-  p.add_argument('--steps', type=int, default=NUM_STEPS, help='train steps (mode train)')
+  p.add_argument('--steps', type=int, default=NUM_STEPS, help='train steps')
   return p.parse_args(argv)
 
 
@@ -41,8 +39,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mtpd_jax import runtime, sharding
-from mtpd_jax.harness import recipe, training
+from mtpd_jax import runtime
+from mtpd_jax.harness import training
 
 from tests.conftest import small_config
 
@@ -71,21 +69,6 @@ def host_params(params) -> dict[str, np.ndarray]:
           for path, x in jax.tree_util.tree_leaves_with_path(gathered)}
 
 
-def run_steps(config) -> dict[str, np.ndarray]:
-  """NUM_STEPS train steps from the library pieces: per-step losses and final parameters."""
-  mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
-  with jax.set_mesh(mesh):
-    abstract, shardings = training.abstract_state(config, mesh)
-    state = training.init_state(config, abstract, shardings)
-    step_fn, _ = training.make_steps(config, mesh, shardings)
-    it = recipe.make_data_iterator(config, 'train')
-    losses = []
-    for _ in range(NUM_STEPS):
-      state, metrics = step_fn(state, sharding.put_batch(next(it), mesh))
-      losses.append(float(metrics['loss']))
-    return dict(losses=np.asarray(losses), **host_params(state.params))
-
-
 def run_train(config, workdir: str) -> dict[str, np.ndarray]:
   """`train_and_evaluate` into `workdir`: logged per-step losses, final eval loss and parameters."""
   state, final = training.train_and_evaluate(config, workdir, progress=False)
@@ -97,13 +80,13 @@ def run_train(config, workdir: str) -> dict[str, np.ndarray]:
 
 
 def main(args):
-  """Join the pair when asked, run `--mode`, and (process 0) save the results."""
+  """Join the pair when asked, train, and (process 0) save the results."""
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # before any computation
   if args.coordinator:
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                initialization_timeout=60)
   config = worker_config(args.steps)
-  out = run_steps(config) if args.mode == 'steps' else run_train(config, args.workdir)
+  out = run_train(config, args.workdir)
   if jax.process_index() == 0:
     np.savez(args.out, process_count=jax.process_count(), device_count=jax.device_count(),
              local_device_count=jax.local_device_count(), **out)
