@@ -1,6 +1,6 @@
 """Train (and evaluate) one config or every point of its sweep.
 
-  python -m experiments.run --config=NAME [--model=PRESET] [--config.a.b=v ...] [--sweep_index=i] [--workdir=DIR] [--results_dir=DIR]
+  python -m experiments.run --config=NAME [--model=PRESET] [--config.a.b=v ...] [--sweep_index=i[,j...]] [--workdir=DIR] [--results_dir=DIR]
 
 NAME resolves to configs/NAME.py (a path works too); `NAME:arg` passes `arg` to get_config.
 PRESET (also spelled --config.model=PRESET) takes the architecture from configs/model/PRESET.py,
@@ -20,7 +20,8 @@ from ml_collections import config_flags
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/NAME.py or NAME', lock_config=True)
-_SWEEP_INDEX = flags.DEFINE_integer('sweep_index', None, 'run only this point of get_sweep()')
+_SWEEP_INDEX = flags.DEFINE_list('sweep_index', None, 'run only these points of get_sweep() (comma-separated '
+                                 'indices); the report still has a row for every point')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'default: runs/NAME (NAME:arg: runs/NAME-arg); points of a sweep '
                                'in its subfolders i/')
 _RESULTS_DIR = flags.DEFINE_string('results_dir', None, 'the report; default: results/NAME (NAME:arg: '
@@ -94,6 +95,19 @@ def use_compilation_cache() -> None:
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 
 
+def sweep_indices(values: list[str], num_points: int, name: str) -> list[int]:
+  """--sweep_index's values as distinct point indices in order, each checked against the sweep."""
+  indices = []
+  for v in values:
+    if not v.strip().isdigit() or int(v) >= num_points:
+      raise ValueError(f'--sweep_index={v} is not a point of {name}: it has points 0 to {num_points - 1}')
+    if int(v) not in indices:
+      indices.append(int(v))
+  if not indices:
+    raise ValueError(f'--sweep_index names no point of {name}')
+  return indices
+
+
 def maybe_initialize_distributed() -> None:
   """Join a multi-process run when the environment describes one (JAX_COORDINATOR_ADDRESS etc.)."""
   import jax
@@ -111,9 +125,7 @@ def main(argv):
   path = flags.FLAGS['config'].config_filename
   name = config_name(path)
   sweep = load_sweep(path)
-  index = _SWEEP_INDEX.value
-  if index is not None and not 0 <= index < len(sweep):
-    raise ValueError(f'--sweep_index={index} is outside the {len(sweep)} points of {name}')
+  indices = None if _SWEEP_INDEX.value is None else sweep_indices(_SWEEP_INDEX.value, len(sweep), name)
   config = copy.deepcopy(_CONFIG.value)
   if _MODEL.value:
     config = with_model_preset(config, _MODEL.value, config_flags.get_override_values(flags.FLAGS['config']))
@@ -121,7 +133,7 @@ def main(argv):
   validation.check_fields(config)  # e.g. seeds=0 would run nothing; each sweep point is validated in full later
   validation.check_decoding_fits(config)
   workdir, results_dir = experiment.run_places(name, path.partition(':')[2], _WORKDIR.value, _RESULTS_DIR.value)
-  report = experiment.run_sweep(config, sweep, workdir, results_dir, indices=None if index is None else [index])
+  report = experiment.run_sweep(config, sweep, workdir, results_dir, indices=indices)
   print(report, flush=True)
   print(f'wrote {results_dir}/results.md, results.json, acceptance.png, loss_curves.png', flush=True)
 

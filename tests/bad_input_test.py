@@ -99,7 +99,9 @@ CASES = [  # (extra arguments, text the one-line message must contain)
     (['--config.train.resume=never'], 'train.resume=never'),
     (['--config.no_such_field=1'], 'no_such_field'),
     (['--config.train.steps=many'], 'train.steps'),
-    (['--sweep_index=3'], 'sweep_index=3'),
+    (['--sweep_index=3'], 'sweep_index=3 is not a point of tiny'),
+    (['--sweep_index=0,-1'], 'sweep_index=-1'),
+    (['--sweep_index='], 'names no point'),
 ]
 
 
