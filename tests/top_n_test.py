@@ -23,6 +23,12 @@ def test_threshold_selects_exactly_the_top_k_set_of_distinct_logits(n):
   assert int(steps) <= 64
 
 
+@pytest.mark.parametrize('n', [1, 37, 299])
+def test_threshold_stays_exact_where_the_last_open_rows_finish_gathered(n):
+  logits = distinct_logits(11, (2, 64, 300))  # 128 rows: the last 16 open ones finish alone
+  np.testing.assert_array_equal(logits > losses.top_n_threshold(logits, n)[..., None], _top_k_mask(logits, n))
+
+
 def test_threshold_on_a_wide_skewed_vocabulary_matches_top_k():
   # LM-like rows: a few large logits over a long tail; N is the paper's 8.1% of V.
   logits = jnp.log(jax.random.dirichlet(jax.random.key(3), jnp.full((4000,), 0.05), (16,)) + 1e-30)
