@@ -7,16 +7,17 @@ import sys
 os.environ.setdefault('JAX_NUM_CPU_DEVICES', '8')
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# Tests build the same small programs many times (a fresh jit per train state, and again in every
+# subprocess a test starts); XLA's persistent cache compiles each once per suite run. Set in the
+# environment before jax is imported, so the subprocesses share it: a fresh clone starts it cold.
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',
+                      os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), '.pytest_cache', 'xla'))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5')
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-
-# Tests build the same small programs many times (a fresh jit per train state); XLA's persistent
-# cache compiles each once per machine.
-jax.config.update('jax_compilation_cache_dir',
-                  os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '.pytest_cache', 'xla'))
-jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 
 
 def small_config(num_heads: int = 2, steps: int = 8):

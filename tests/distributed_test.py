@@ -4,6 +4,7 @@ Each run is a subprocess (tests/distributed_worker.py), so every one gets a fres
 device count; the one-process reference and the two-process pair run side by side.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -113,14 +114,18 @@ def _pair(tmp_path, tag: str, workdir, steps: int):
                  f'--process_id={i}') for i in range(2)]
 
 
-@pytest.fixture
+LOAD_STRETCH = 3  # timeouts under load stretch by this much: they guard against hangs, not speed
+
+
+@contextlib.contextmanager
 def cpu_load():
-  """One busy process per core for the whole test, as on a CI machine shared with other jobs, where
-  the processes of a pair drift apart (the stop must still be one step on both). An idle machine is
-  the easier case of the same test, so only the loaded one runs."""
+  """One busy process per core, as on a CI machine shared with other jobs, where the processes of
+  a pair drift apart (the stop must still be one step on both). An idle machine is the easier case
+  of the same test, so only the loaded one runs; the load ends with the stop, since the rerun that
+  checks it needs none."""
   hogs = [subprocess.Popen([sys.executable, '-c', 'while True: pass']) for _ in range(os.cpu_count() or 2)]
   try:
-    yield 3  # timeouts stretch by this much: they guard against hangs, they do not time the run
+    yield
   finally:
     for h in hogs:
       h.kill()
@@ -129,18 +134,20 @@ def cpu_load():
 
 @pytest.mark.slow
 @pytest.mark.reliability
-def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpoint_and_a_rerun_resumes(tmp_path, cpu_load):
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpoint_and_a_rerun_resumes(tmp_path):
   steps, multi, single = 20, tmp_path / 'multi', tmp_path / 'single'
-  procs = _pair(tmp_path, 'first', multi, steps)
-  metrics, deadline = multi / 'metrics.jsonl', time.monotonic() + TIMEOUT_S * cpu_load
-  try:  # SIGTERM to process 1 only, once a few steps are logged
-    while not (metrics.exists() and metrics.read_text().count('train/loss') >= 3):
-      assert time.monotonic() < deadline and all(p.poll() is None for _, p, _ in procs), 'pair did not start'
-      time.sleep(0.1)
-    procs[1][1].send_signal(signal.SIGTERM)
-    codes = [p.wait(timeout=TIMEOUT_S * cpu_load) for _, p, _ in procs]
-  finally:
-    _kill(procs)
+  timeout_s = TIMEOUT_S * LOAD_STRETCH
+  with cpu_load():
+    procs = _pair(tmp_path, 'first', multi, steps)
+    metrics, deadline = multi / 'metrics.jsonl', time.monotonic() + timeout_s
+    try:  # SIGTERM to process 1 only, once a few steps are logged
+      while not (metrics.exists() and metrics.read_text().count('train/loss') >= 3):
+        assert time.monotonic() < deadline and all(p.poll() is None for _, p, _ in procs), 'pair did not start'
+        time.sleep(0.1)
+      procs[1][1].send_signal(signal.SIGTERM)
+      codes = [p.wait(timeout=timeout_s) for _, p, _ in procs]
+    finally:
+      _kill(procs)
   assert codes == [128 + signal.SIGTERM] * 2, [log.read_text()[-2000:] for _, _, log in procs]
   stopped = {re.search(r'after step (\d+); checkpoint saved', log.read_text()).group(1) for _, _, log in procs}
   assert len(stopped) == 1, stopped  # both processes stopped after the same step...
@@ -151,7 +158,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpoint_and_a_reru
   # The rerun resumes there; beside it, one process with 8 devices runs all the steps straight.
   _wait_all(_pair(tmp_path, 'rerun', multi, steps) + [
       _start(tmp_path, 'single', f'--out={single}.npz', f'--workdir={single}',
-             f'--steps={steps}', '--local_devices=8')], timeout_s=TIMEOUT_S * cpu_load)
+             f'--steps={steps}', '--local_devices=8')])
   got, want = dict(np.load(f'{multi}.npz')), dict(np.load(f'{single}.npz'))
   assert len(got['losses']) == len(want['losses']) == steps  # no step lost or logged twice
   np.testing.assert_allclose(got['losses'], want['losses'], rtol=0, atol=1e-4)

@@ -24,11 +24,10 @@ from experiments import run as run_cli  # noqa: E402
 
 @pytest.fixture(scope='module')
 def shared_env(tmp_path_factory):
-  """One data cache for the module and the suite's XLA cache: later configs reuse what earlier ones built."""
+  """One data cache for the module (and conftest's XLA cache for the suite): later configs reuse
+  what earlier ones built."""
   return {**os.environ, 'JAX_NUM_CPU_DEVICES': '1', 'PYTHONPATH': ROOT,
-          'MTPD_JAX_CACHE': str(tmp_path_factory.mktemp('cache')),
-          'JAX_COMPILATION_CACHE_DIR': os.path.join(ROOT, '.pytest_cache', 'xla'),
-          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0.5'}
+          'MTPD_JAX_CACHE': str(tmp_path_factory.mktemp('cache'))}
 
 
 def _run(args, cwd, env, timeout=900):

@@ -17,9 +17,7 @@ def run_notebook(name: str, tmp_path, monkeypatch, **parameters):
   nb.cells.insert(at + 1, nbformat.v4.new_code_cell('\n'.join(f'{k} = {v!r}' for k, v in parameters.items())))
   monkeypatch.setenv('JAX_NUM_CPU_DEVICES', '1')
   monkeypatch.setenv('MTPD_JAX_CACHE', str(tmp_path / 'cache'))
-  # The kernel shares the suite's persistent XLA cache: both rows of a notebook compile the same programs.
-  monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', os.path.join(ROOT, '.pytest_cache', 'xla'))
-  monkeypatch.setenv('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5')
+  # The kernel inherits conftest's XLA cache: both rows of a notebook compile the same programs.
   nbclient.NotebookClient(nb, timeout=900, kernel_name='python3',
                           resources={'metadata': {'path': NOTEBOOKS}}).execute()
   return nb
