@@ -58,7 +58,29 @@ class ModelConfig:
       raise ValueError(f'num_mtp_heads={self.num_mtp_heads} must be >= 0')
 
 
-def _param(rngs: nnx.Rngs, init, shape, axes) -> nnx.Param:
+class ParamKeys:
+  """`rngs.params()` for building one model: the same keys, with one count update at the end.
+
+  nnx's stream gives fold_in(key, count) and then adds 1 to its count; this gives fold_in(key,
+  count + i) for the i-th parameter and writes count + n back once in `close`. Under tracing
+  (`nnx.eval_shape`, a jitted init) every count update costs time linear in the trace so far, which
+  made building a 30-layer model's abstract state take 2 s (docs/design.md, "Model construction").
+  """
+
+  def __init__(self, rngs: nnx.Rngs):
+    self._stream = rngs.params
+    self._key, self._count, self._n = self._stream.key[...], self._stream.count[...], 0
+
+  def params(self) -> jax.Array:
+    key = jax.random.fold_in(self._key, self._count + self._n)
+    self._n += 1
+    return key
+
+  def close(self) -> None:
+    self._stream.count[...] = self._count + self._n
+
+
+def _param(rngs: nnx.Rngs | ParamKeys, init, shape, axes) -> nnx.Param:
   """A float32 parameter that carries its logical axis names (mapped to the mesh in sharding.py)."""
   return nnx.Param(init(rngs.params(), shape, jnp.float32), axes=axes)
 
@@ -255,12 +277,14 @@ class MTPTransformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = _param(rngs, nnx.initializers.normal(0.02), (cfg.vocab_size, cfg.dim), ('vocab', 'embed'))
-    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
-    self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, rngs)
+    keys = ParamKeys(rngs)
+    self.embed = _param(keys, nnx.initializers.normal(0.02), (cfg.vocab_size, cfg.dim), ('vocab', 'embed'))
+    self.blocks = nnx.List([Block(cfg, keys) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, keys)
     if not cfg.tie_embeddings:
-      self.unembed = _param(rngs, _dense_init, (cfg.dim, cfg.vocab_size), ('embed', 'vocab'))
-    self.mtp_heads = nnx.List([MTPHead(cfg, rngs) for _ in range(cfg.num_mtp_heads)])
+      self.unembed = _param(keys, _dense_init, (cfg.dim, cfg.vocab_size), ('embed', 'vocab'))
+    self.mtp_heads = nnx.List([MTPHead(cfg, keys) for _ in range(cfg.num_mtp_heads)])
+    keys.close()
 
   def embed_tokens(self, tokens_BxT):
     return jnp.take(self.embed[...], tokens_BxT, axis=0).astype(jnp.dtype(self.cfg.dtype))
