@@ -23,6 +23,7 @@ def test_train_overhead_quick(tmp_path):
   assert r['meta']['command'] and r['meta']['date'].startswith('20')
 
 
+@pytest.mark.slow
 def test_train_memory_quick(tmp_path):
   train_memory.main(train_memory.parse_args(
       ['--config=tiny', '--batch_size=8', '--seq_len=64', '--fused_chunk_rows=64', f'--results_dir={tmp_path}']))
@@ -33,6 +34,7 @@ def test_train_memory_quick(tmp_path):
   assert r['bytes']['k4_fused']['temp'] < r['bytes']['k4']['temp']
 
 
+@pytest.mark.slow
 def test_train_efficiency_quick(tmp_path):
   train_efficiency.main(train_efficiency.parse_args(
       ['--config=tiny', '--batch_size=8', '--seq_len=64', '--reps=1', '--matmul_n=256',
@@ -48,6 +50,7 @@ def test_train_efficiency_quick(tmp_path):
     assert 0 < r[key] and math.isfinite(r[key])
 
 
+@pytest.mark.slow
 def test_decode_cost_quick(tmp_path):
   """The decoding cost benchmark on a tiny random model: every key, parts and bytes that add up."""
   from benchmarks import decode_cost  # pylint: disable=import-outside-toplevel

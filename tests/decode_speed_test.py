@@ -76,6 +76,7 @@ def test_heads_only_training_moves_the_heads_and_leaves_the_trunk_bitwise(fake_g
       np.testing.assert_array_equal(x, before[key], err_msg=str(key))
 
 
+@pytest.mark.slow
 def test_gguf_quick_with_hf_side_by_side(fake_gguf, tmp_path):
   hf = hf_generate.available()
   out = tmp_path / 'decode_speed_fake.json'
@@ -105,6 +106,7 @@ def test_gguf_quick_with_hf_side_by_side(fake_gguf, tmp_path):
     assert saved['ours_new_tokens'] == sum(saved['sets'][n]['b1']['depth2_dv64']['new_tokens'] for n in ('chat', 'code'))
 
 
+@pytest.mark.slow
 def test_gguf_workdir_brings_its_own_trained_heads(fake_gguf, tmp_path):
   from mtpd_jax.harness import training
   from tests.conftest import small_config  # pylint: disable=import-outside-toplevel

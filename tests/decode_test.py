@@ -214,6 +214,7 @@ def test_frequent_tokens_ranks_by_count_and_returns_ascending_ids():
   np.testing.assert_array_equal(evaluate.frequent_tokens(tokens, 3), [2, 5, 9])  # 2 beats 1 on count
 
 
+@pytest.mark.slow
 def test_bfloat16_speculative_greedy_equals_bfloat16_plain_greedy(trained):
   """bf16 decoding (matrices cast once) is its own model: speculation stays lossless against it."""
   model16 = MTPTransformer(dataclasses.replace(CFG, dtype='bfloat16'), rngs=nnx.Rngs(0))

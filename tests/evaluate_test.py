@@ -22,6 +22,7 @@ def _write_jsonl(path, records, compress=False):
     f.writelines(json.dumps(r) + '\n' for r in records)
 
 
+@pytest.mark.slow
 def test_evaluate_prompt_set_and_write_report(tmp_path):
   model = MTPTransformer(CFG, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)

@@ -199,6 +199,7 @@ def _frozen_trunk_run(config, workdir, ref):
   assert len(moved) == len([k for k in params if k[0] == 'mtp_heads'])
 
 
+@pytest.mark.slow
 def test_heads_only_training_leaves_the_imported_trunk_bitwise_unchanged(fake, tmp_path):
   from tests.conftest import small_config
   d, _ = fake
@@ -225,6 +226,7 @@ def test_smollm2_metadata_and_tokenizer_ids():
   assert tok.chat_overhead == 30
 
 
+@pytest.mark.slow
 def test_smollm2_knows_the_capital_of_germany():
   model = gguf_llama.load_model('smollm2')
   tok = gguf_llama.load_tokenizer('smollm2')

@@ -57,6 +57,7 @@ def test_documents_do_not_attend_across_boundaries():
   np.testing.assert_allclose(alone.hidden_K1xBxTxD[0], base.hidden_K1xBxTxD[0][:, 6:], atol=2e-5)
 
 
+@pytest.mark.slow
 def test_isolate_trunk_stops_mtp_gradient_into_the_trunk():
   model = _model()
   graphdef, params = nnx.split(model, nnx.Param)

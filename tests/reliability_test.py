@@ -82,6 +82,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
   assert steps == [2, 4, 6, 8, 10]
 
 
+@pytest.mark.slow
 def test_a_workdir_of_another_model_is_refused_and_resume_never_refuses_reuse(tmp_path):
   config = small_config(steps=4)
   _train(config, tmp_path)
@@ -98,6 +99,7 @@ def test_a_workdir_of_another_model_is_refused_and_resume_never_refuses_reuse(tm
   assert _ckpt_steps(str(tmp_path)) == before   # nothing on disk was touched
 
 
+@pytest.mark.slow
 def test_a_workdir_saved_before_newer_config_fields_existed_still_resumes(tmp_path):
   config = small_config(steps=4)
   _train(config, tmp_path)

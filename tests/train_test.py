@@ -56,6 +56,7 @@ def _read_metrics(workdir):
     return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_loss_falls_and_metrics_jsonl_has_every_key(tmp_path):
   config = small_config(num_heads=2, steps=40)
   config.train.log_every = 10
@@ -71,6 +72,7 @@ def test_loss_falls_and_metrics_jsonl_has_every_key(tmp_path):
   assert json.load(open(tmp_path / 'config.json'))['mtp']['num_heads'] == 2
 
 
+@pytest.mark.slow
 def test_save_restore_gives_identical_state_and_next_batch(tmp_path):
   config = small_config()
   mesh = sharding.make_mesh((4, 2), ('fsdp', 'model'))
@@ -94,6 +96,7 @@ def test_save_restore_gives_identical_state_and_next_batch(tmp_path):
   np.testing.assert_array_equal(next(fresh_it)['inputs'], expected_batch['inputs'])
 
 
+@pytest.mark.slow
 def test_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
   config = small_config(steps=8)   # checkpoints at 4 and 8
   full, resumed = str(tmp_path / 'full'), str(tmp_path / 'resumed')
@@ -112,6 +115,7 @@ def test_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
   assert steps == [2, 4, 6, 8]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('trainable,moving', [('mtp_heads', {0, 1}), ([2], {1})])
 def test_frozen_parameters_do_not_move(trainable, moving):
   config = small_config()

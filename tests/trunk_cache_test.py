@@ -31,6 +31,7 @@ def _model(config):
   return MTPTransformer(recipe.model_config(config), rngs=nnx.Rngs(config.seed))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('loss_chunk_rows', [0, 256])
 def test_heads_only_step_from_the_cache_equals_the_step_through_the_trunk(tmp_path, loss_chunk_rows):
   config = _config(tmp_path, loss_chunk_rows=loss_chunk_rows)

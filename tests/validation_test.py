@@ -356,6 +356,7 @@ def test_each_entry_point_exits_2_with_one_line(module, args, message):
   assert message in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_a_nan_stop_is_one_line_exit_2(tmp_path):
   proc = _cli('experiments.run', '--config=tiny', f'--workdir={tmp_path}/run', '--config.train.lr=1e6',
               '--config.train.steps=30', '--config.eval.enabled=False', timeout=300)

@@ -90,6 +90,7 @@ def test_only_process_0_of_a_multi_process_run_locks(tmp_path):
     assert not (tmp_path / '.lock').exists()
 
 
+@pytest.mark.slow
 def test_evaluate_of_a_workdir_in_use_refuses_in_one_line_and_changes_nothing(tmp_path):
   training.train_and_evaluate(small_config(steps=2), str(tmp_path), progress=False)
   before = snapshot(tmp_path)
@@ -282,6 +283,7 @@ def test_checkpoints_without_config_json_are_refused_not_declared_damaged(workdi
   assert not os.path.exists(f'{workdir}/checkpoints.unreadable')
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_is_one_warning_line_not_a_traceback_per_array(tmp_path, capfd, caplog):
   workdir = tmp_path / 'run'
   config = small_config(steps=8)  # checkpoints 4 and 8
