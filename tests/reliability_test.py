@@ -115,6 +115,7 @@ def test_a_workdir_saved_before_newer_config_fields_existed_still_resumes(tmp_pa
     _train(moe_run, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('on_nan', ['stop', 'skip'])
 def test_a_non_finite_step_stops_with_its_step_or_is_skipped(tmp_path, on_nan):
   config = small_config(steps=6)

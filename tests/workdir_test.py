@@ -225,6 +225,7 @@ def test_resuming_with_another_loss_or_data_order_is_refused_and_changes_nothing
   assert snapshot(workdir) == before
 
 
+@pytest.mark.slow
 def test_resuming_with_other_logging_eval_checkpoint_settings_and_more_steps_is_allowed(workdir):
   config = small_config(steps=6)
   config.train.log_every, config.train.eval_batches, config.ckpt.every_steps = 1, 2, 3
