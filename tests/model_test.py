@@ -115,3 +115,18 @@ def test_remat_gives_identical_outputs():
 def test_invalid_config_raises():
   with pytest.raises(ValueError, match='multiple of num_kv_heads'):
     M.ModelConfig(num_heads=4, num_kv_heads=3)
+
+
+def test_init_keys_are_the_streams_keys_and_jit_builds_the_same_model():
+  """ParamKeys hands out nnx's own stream keys (fold_in(key, count + i)) and leaves the stream's
+  count where per-parameter rngs.params() calls would; a jitted build draws the same values (to
+  float rounding: XLA fuses the truncated normal differently under jit)."""
+  rngs = nnx.Rngs(7)
+  model = M.MTPTransformer(CFG, rngs=rngs)
+  params = jax.tree.leaves(nnx.state(model, nnx.Param))
+  assert int(rngs.params.count[...]) == len(params)  # one key per parameter
+  first = nnx.initializers.normal(0.02)(jax.random.fold_in(jax.random.key(7), 0), (CFG.vocab_size, CFG.dim))
+  np.testing.assert_array_equal(model.embed[...], first)  # the embedding is drawn first
+  jitted = nnx.jit(lambda: M.MTPTransformer(CFG, rngs=nnx.Rngs(7)))()
+  for a, b in zip(params, jax.tree.leaves(nnx.state(jitted, nnx.Param))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
