@@ -56,6 +56,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.distill.selection = 'threshold'  # how Top-N is found: 'threshold' (count search, a mask) | 'top_k' (a sort)
   c.distill.renormalize = True    # softmax over the selected logits on both sides; False = partial KL
   c.distill.kl = 'forward'        # 'forward' = KL(teacher ‖ student) | 'reverse'
+  # 'kl' (the paper's) | 'tv' (total variation) | 'js' (Jensen-Shannon), over the same selection;
+  # TV and JS are symmetric, so they take kl='forward' (docs/design.md, "Divergences")
+  c.distill.divergence = 'kl'
   c.distill.tau = 1.0             # softmax temperature of both distributions
   # β_k: None = the paper's default (1.0 for K=1, 0.5 for K>1), a float, or one float per head.
   c.distill.beta = config_dict.placeholder(object)

@@ -12,8 +12,8 @@ i+k, its teacher. Shifting head k's hidden states right by k puts every predicto
 on row j, so a chunk of rows holds each KL pair whole.
 
 Supported (see `supports`): plain MTP, and MTP-D with teacher='main', detach=True and
-selection='threshold' (the defaults) with any top_n (or None), top_n_mode, renormalize, kl and
-tau. Any other setting is refused (the harness refuses it when it reads the config). Metrics are
+selection='threshold' (the defaults) with any top_n (or None), top_n_mode, renormalize, kl,
+divergence and tau. Any other setting is refused (the harness refuses it when it reads the config). Metrics are
 not differentiable. The default forward KL in 'teacher' mode takes all heads in one set of
 whole-array passes against one teacher distribution per chunk (`_shared_teacher_kl`); the other
 modes go head by head (`_per_head_kl`).
@@ -31,7 +31,7 @@ from mtpd_jax.shifts import shift_right
 
 def _chunk(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg):
   """Loss sums of one chunk of rows and their gradients w.r.t. its hidden states and w."""
-  top_n, top_n_mode, kl, renormalize, tau, distill, w_grad, main_grad = cfg
+  top_n, top_n_mode, measure, renormalize, tau, distill, w_grad, main_grad = cfg
   z_K1xRxV = jnp.einsum('krd,dv->krv', x_K1xRxD, w_DxV.astype(x_K1xRxD.dtype),
                         preferred_element_type=jnp.float32)
   num_pred, rows, v = z_K1xRxV.shape
@@ -53,8 +53,8 @@ def _chunk(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg):
     thr_1xR = (losses.top_n_threshold(t_1xRxV, top_n) if top_n is not None
                else jnp.full((1, rows), -jnp.inf))
     g_K1xR = jnp.concatenate([jnp.zeros(1), kl_coef_K])[:, None] * mask_K1xR  # the main row has no KL
-    args = (z_K1xRxV, thr_1xR, g_K1xR, top_n, top_n_mode, kl, renormalize, tau)
-    if _shares_the_teacher(top_n_mode, kl):
+    args = (z_K1xRxV, thr_1xR, g_K1xR, top_n, top_n_mode, measure, renormalize, tau)
+    if _shares_the_teacher(top_n_mode, measure):
       kl_K1xR, ds_K1xRxV = _shared_teacher_kl(z_K1xRxV, m_K1xR, thr_1xR, g_K1xR, renormalize, tau)
     else:
       kl_K1xR, ds_K1xRxV = _per_head_kl(*args)
@@ -74,9 +74,10 @@ def _chunk(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg):
   return sums, dx_K1xRxD.astype(x_K1xRxD.dtype), dw_DxV
 
 
-def _per_head_kl(z_K1xRxV, thr_1xR, g_K1xR, top_n, top_n_mode, kl, renormalize, tau):
-  """Each head's KL against the main row (row 0) and its gradient w.r.t. the logits, one head at
-  a time through `losses.detached_kl_fwd`/`_bwd`: any mode and direction. Row 0's are zeros."""
+def _per_head_kl(z_K1xRxV, thr_1xR, g_K1xR, top_n, top_n_mode, measure, renormalize, tau):
+  """Each head's divergence against the main row (row 0) and its gradient w.r.t. the logits, one
+  head at a time through `losses.detached_divergence_fwd`/`_bwd`: any mode, direction and
+  divergence. Row 0's are zeros."""
   rows, v = z_K1xRxV.shape[1:]
   t_1xRxV = z_K1xRxV[:1] / tau
   # In 'teacher' mode the teacher's log-normaliser over S is shared by every head.
@@ -85,15 +86,16 @@ def _per_head_kl(z_K1xRxV, thr_1xR, g_K1xR, top_n, top_n_mode, kl, renormalize, 
   for k in range(1, z_K1xRxV.shape[0]):
     s_1xRxV = z_K1xRxV[k:k + 1] / tau
     s_thr_1xR = losses.top_n_threshold(s_1xRxV, top_n) if top_n_mode == 'union' and top_n is not None else None
-    kl_1xR, res = losses.detached_kl_fwd(t_1xRxV, s_1xRxV, thr_1xR, s_thr_1xR, t_lse, 0, kl, renormalize)
-    ds.append(losses.detached_kl_bwd(0, kl, renormalize, res, g_K1xR[k:k + 1])[1] / tau)
+    kl_1xR, res = losses.detached_divergence_fwd(t_1xRxV, s_1xRxV, thr_1xR, s_thr_1xR, t_lse, 0, measure,
+                                                 renormalize)
+    ds.append(losses.detached_divergence_bwd(0, measure, renormalize, res, g_K1xR[k:k + 1])[1] / tau)
     kls.append(kl_1xR[0])
   return jnp.stack(kls), jnp.concatenate(ds)
 
 
-def _shares_the_teacher(top_n_mode, kl) -> bool:
-  """Whether `_shared_teacher_kl` computes this KL: one selection for all heads, forward KL."""
-  return top_n_mode == 'teacher' and kl == 'forward'
+def _shares_the_teacher(top_n_mode, measure) -> bool:
+  """Whether `_shared_teacher_kl` computes this loss: one selection for all heads, forward KL."""
+  return top_n_mode == 'teacher' and measure == 'forward'
 
 
 def _shared_teacher_kl(z_K1xRxV, m_K1xR, thr_1xR, g_K1xR, renormalize, tau):
@@ -199,7 +201,7 @@ def mtp_d_loss_fused(hidden_K1xBxTxD, w_DxV, targets_BxT, segment_ids_BxT, targe
   x_K1xRxD = jnp.pad(x_K1xBxTxD.reshape(num_heads + 1, rows, d), ((0, 0), (0, pad), (0, 0)))
   targets_R = jnp.pad(targets_BxT.reshape(rows), (0, pad))
   mask_K1xR = jnp.pad(mask_K1xBxT.reshape(num_heads + 1, rows), ((0, 0), (0, pad)))
-  static = (cfg.top_n, cfg.top_n_mode, cfg.kl, cfg.renormalize, cfg.tau, cfg.distill, w_grad, main_grad)
+  static = (cfg.top_n, cfg.top_n_mode, cfg.measure, cfg.renormalize, cfg.tau, cfg.distill, w_grad, main_grad)
   loss, sums = _fused(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, static, chunk_rows)
   sums = lax.stop_gradient(sums)
   metrics = {'xent': sums['ce'][0] / count_K1[0], 'loss': loss}

@@ -1,5 +1,9 @@
 """MTP-D losses (the paper's total loss; docs/design.md, "Data flow"): main CE + Σ_k α_k·CE_k + Σ_k β_k·KL_k, as pure functions of arrays.
 
+The distillation term is the paper's KL (Eq. 5) by default; `LossConfig.divergence` swaps in total
+variation or Jensen-Shannon over the same selection (docs/design.md, "Divergences"). Internally a
+"measure" names the per-entry terms: 'forward' or 'reverse' (the KL's direction), 'tv' or 'js'.
+
 Dimension letters: the legend in mtpd_jax/__init__.py.
 
 Alignment: head k at position i predicts token i+k+1, the same token as the main head at i+k,
@@ -24,6 +28,8 @@ from mtpd_jax.shifts import shift_left
 from mtpd_jax.top_n import above, count_above, top_n_threshold  # noqa: F401  (re-exported)
 
 KL_DIRECTIONS = ('forward', 'reverse')
+DIVERGENCES = ('kl', 'tv', 'js')
+MEASURES = KL_DIRECTIONS + DIVERGENCES[1:]
 TOP_N_MODES = ('teacher', 'union')
 TEACHERS = ('main', 'ensemble_mean')
 SELECTIONS = ('top_k', 'threshold')
@@ -39,9 +45,11 @@ class LossConfig:
   gives the plain "MTP" baseline (CE only, no KL computed). top_n: N, or None for the whole
   vocabulary. top_n_mode ('teacher' or 'union'), renormalize, kl ('forward' or 'reverse'), tau,
   detach, teacher ('main' or 'ensemble_mean'): the paper's ablation knobs (Tables 2 and 6), see
-  `top_n_indices`, `kl_divergence`, `ensemble_teacher`. selection: how Top-N is found:
+  `top_n_indices`, `distill_divergence`, `ensemble_teacher`. selection: how Top-N is found:
   'threshold' (`top_n_threshold`, a mask; ties at the N-th value are all selected) or 'top_k'
-  (`lax.top_k` indices, gathered).
+  (`lax.top_k` indices, gathered). divergence: 'kl' (the paper's), 'tv' (total variation) or 'js'
+  (Jensen-Shannon); TV and JS are symmetric, so `kl` must stay 'forward' with them. The metric
+  `distill/k{k}/kl` holds whichever divergence is chosen.
   """
   ce_weight: float = 0.3
   beta: tuple[float, ...] = (1.0,)
@@ -54,17 +62,26 @@ class LossConfig:
   detach: bool = True
   teacher: str = 'main'
   selection: str = 'threshold'
+  divergence: str = 'kl'
 
   def __post_init__(self):
     object.__setattr__(self, 'beta', tuple(float(b) for b in self.beta))
     for name, choices in (('teacher', TEACHERS), ('top_n_mode', TOP_N_MODES), ('selection', SELECTIONS),
-                          ('kl', KL_DIRECTIONS)):
+                          ('kl', KL_DIRECTIONS), ('divergence', DIVERGENCES)):
       if getattr(self, name) not in choices:
         raise ValueError(f'unknown {name} {getattr(self, name)!r}; expected one of {choices}')
+    if self.divergence != 'kl' and self.kl != 'forward':
+      raise ValueError(f'kl={self.kl!r} is a direction of the KL; divergence={self.divergence!r} is '
+                       "symmetric: leave kl='forward'")
     if self.top_n is not None and self.top_n < 1:
       raise ValueError(f'top_n={self.top_n}: expected a positive count or None (the whole vocabulary)')
     if not self.tau > 0:
       raise ValueError(f'tau={self.tau}: expected a positive temperature')
+
+  @property
+  def measure(self) -> str:
+    """The per-entry terms of the distillation loss: the KL's direction, or 'tv' / 'js'."""
+    return self.kl if self.divergence == 'kl' else self.divergence
 
   def check_heads(self, num_heads: int) -> None:
     if len(self.beta) != num_heads:
@@ -181,35 +198,44 @@ def _masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT=None, 
   return _log_probs(t_BxTxV, t_lse_BxT), _log_probs(s_BxTxV, s_lse_BxT), t_lse_BxT, s_lse_BxT
 
 
-def _kl_terms(logq, logp, direction: str):
-  """Per-entry terms of KL(q ‖ p) ('forward', q the teacher) or KL(p ‖ q) ('reverse'), from log-probs."""
-  if direction == 'forward':
+def _terms(logq, logp, measure: str):
+  """Per-entry terms of the distillation divergence from log-probabilities, q the teacher's and p the
+  student's: KL(q ‖ p) ('forward'), KL(p ‖ q) ('reverse'), total variation ½|q - p| ('tv') or
+  Jensen-Shannon ½ q log(q/m) + ½ p log(p/m) with m = (q + p)/2 ('js'). Entries where q or p is 0
+  give 0 terms (m in log space, so 0·log 0 never forms)."""
+  if measure == 'forward':
     return jnp.exp(logq) * (logq - logp)
-  if direction == 'reverse':
+  if measure == 'reverse':
     return jnp.exp(logp) * (logp - logq)
-  raise ValueError(f'unknown KL direction {direction!r}; expected one of {KL_DIRECTIONS}')
+  if measure == 'tv':
+    return 0.5 * jnp.abs(jnp.exp(logq) - jnp.exp(logp))
+  if measure == 'js':
+    logm = jnp.logaddexp(logq, logp) - jnp.log(2.0)
+    return 0.5 * (jnp.exp(logq) * (logq - logm) + jnp.exp(logp) * (logp - logm))
+  raise ValueError(f'unknown divergence measure {measure!r}; expected one of {MEASURES}')
 
 
-def _masked_kl(t_BxTxV, s_BxTxV, sel_BxTxV, *, direction, renormalize, t_lse_BxT=None):
-  """KL over the entries where sel = 1, from f32 logits already divided by τ.
+def _masked_divergence(t_BxTxV, s_BxTxV, sel_BxTxV, *, measure, renormalize, t_lse_BxT=None):
+  """The divergence over the entries where sel = 1, from f32 logits already divided by τ.
 
-  renormalize: both softmaxes over the selection; else full-vocabulary softmaxes, with the KL
-  terms summed over the selection. `t_lse_BxT`: the teacher's log-normaliser, if precomputed.
+  renormalize: both softmaxes over the selection; else full-vocabulary softmaxes, with the terms
+  summed over the selection. `t_lse_BxT`: the teacher's log-normaliser, if precomputed.
   """
   logq, logp, _, _ = _masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT)
-  terms = _kl_terms(logq, logp, direction)
+  terms = _terms(logq, logp, measure)
   return jnp.sum(terms if renormalize else terms * sel_BxTxV, axis=-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _detached_kl(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, direction, renormalize):
-  """`_masked_kl` over a threshold selection, differentiated only in the student.
+def _detached_divergence(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, measure, renormalize):
+  """`_masked_divergence` over a threshold selection, differentiated only in the student.
 
   The teacher (its logits, threshold and log-normaliser) is read `shift` rows on: head k at row
   i against the main head at row i+k. The gradient is an elementwise expression of the logits
   and per-row scalars, recomputed in the backward pass, so no [.., V] residual is stored.
   """
-  return detached_kl_fwd(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, direction, renormalize)[0]
+  return detached_divergence_fwd(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, measure,
+                                 renormalize)[0]
 
 
 def _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, renormalize, s_lse_R=None):
@@ -226,56 +252,68 @@ def _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, renormalize
   return sel_RxV, logq, logp, s_lse_R
 
 
-def detached_kl_fwd(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, direction, renormalize):
+def detached_divergence_fwd(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, measure, renormalize):
   sel_RxV, logq, logp, s_lse_R = _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift,
                                           renormalize)
-  w_RxV = jnp.exp(logq if direction == 'forward' else logp)
-  w_RxV = w_RxV if renormalize else w_RxV * sel_RxV
-  kl_R = jnp.sum(w_RxV * ((logq - logp) if direction == 'forward' else (logp - logq)), axis=-1)
-  # Σ_S q (forward) or Σ_S p (reverse): 1 when renormalised
-  mass_R = jnp.ones_like(kl_R) if renormalize else jnp.sum(w_RxV, axis=-1)
-  kl_BxT = kl_R.reshape(s_BxTxV.shape[:-1])
-  return kl_BxT, (t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, s_lse_R, kl_R, mass_R)
+  if measure in KL_DIRECTIONS:
+    w_RxV = jnp.exp(logq if measure == 'forward' else logp)
+    w_RxV = w_RxV if renormalize else w_RxV * sel_RxV
+    div_R = jnp.sum(w_RxV * ((logq - logp) if measure == 'forward' else (logp - logq)), axis=-1)
+    # Σ_S q (forward) or Σ_S p (reverse): 1 when renormalised
+    mass_R = jnp.ones_like(div_R) if renormalize else jnp.sum(w_RxV, axis=-1)
+  else:
+    terms_RxV = _terms(logq, logp, measure)
+    div_R = jnp.sum(terms_RxV if renormalize else terms_RxV * sel_RxV, axis=-1)
+    mass_R = jnp.ones_like(div_R)  # unused
+  div_BxT = div_R.reshape(s_BxTxV.shape[:-1])
+  return div_BxT, (t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, s_lse_R, div_R, mass_R)
 
 
-def detached_kl_bwd(shift, direction, renormalize, res, g_BxT):
+def detached_divergence_bwd(shift, measure, renormalize, res, g_BxT):
   t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, s_lse_R, kl_R, mass_R = res
   sel_RxV, logq, logp, _ = _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift,
                                     renormalize, s_lse_R)
   p_RxV, g_Rx1 = jnp.exp(logp), g_BxT.reshape(-1, 1)
   sel = 1.0 if renormalize else sel_RxV  # renormalised: p and q are already 0 off the selection
-  if direction == 'forward':  # d/ds Σ_S q (log q - log p) = p·Σ_S q - q on S
+  if measure == 'forward':  # d/ds Σ_S q (log q - log p) = p·Σ_S q - q on S
     ds_RxV = g_Rx1 * (p_RxV * mass_R[:, None] - sel * jnp.exp(logq))
-  else:  # d/ds Σ_S p (log p - log q) = p·(log p - log q + 1) on S - p·(KL + Σ_S p), summed so
-    # that the 1 and Σ_S p (also 1 when renormalised) cancel exactly instead of eating f32 bits
+  elif measure == 'reverse':  # d/ds Σ_S p (log p - log q) = p·(log p - log q + 1) on S - p·(KL + Σ_S p),
+    # summed so that the 1 and Σ_S p (also 1 when renormalised) cancel exactly instead of eating f32 bits
     ds_RxV = g_Rx1 * p_RxV * ((sel * (logp - logq) - kl_R[:, None]) + (sel - mass_R[:, None]))
+  else:  # Σ_S f(p_i) with f' = ½ sign(p - q) (tv) or ½ log(p/m) (js): d/ds_j = p_j (f'_j on S - Σ_S p f')
+    if measure == 'tv':
+      df_RxV = 0.5 * jnp.sign(p_RxV - jnp.exp(logq))
+    else:
+      df_RxV = 0.5 * (logp - (jnp.logaddexp(logq, logp) - jnp.log(2.0)))
+    pdf_RxV = p_RxV * (sel * df_RxV)
+    ds_RxV = g_Rx1 * (pdf_RxV - p_RxV * jnp.sum(pdf_RxV, axis=-1, keepdims=True))
   zero = lambda x: jax.tree.map(jnp.zeros_like, x)
   return zero(t_BxTxV), ds_RxV.reshape(s_BxTxV.shape), zero(thr_BxT), zero(s_thr_BxT), zero(t_lse_BxT)
 
 
-_detached_kl.defvjp(detached_kl_fwd, detached_kl_bwd)
+_detached_divergence.defvjp(detached_divergence_fwd, detached_divergence_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
-# KL and the full loss
+# The divergence and the full loss
 
 
-def kl_divergence(teacher_BxTxV, student_BxTxV, idx_BxTxN=None, valid_BxTxN=None, *,
-                  direction: str = 'forward', renormalize: bool = True, tau: float = 1.0,
-                  threshold_BxT=None, student_threshold_BxT=None):
-  """Per-position KL between teacher and student, over the selected indices (all of V if none).
+def distill_divergence(teacher_BxTxV, student_BxTxV, idx_BxTxN=None, valid_BxTxN=None, *,
+                       measure: str = 'forward', renormalize: bool = True, tau: float = 1.0,
+                       threshold_BxT=None, student_threshold_BxT=None):
+  """Per-position divergence between teacher and student, over the selected indices (all of V if none).
 
-  forward = KL(teacher ‖ student) (mass-covering, the paper's default); reverse = KL(student ‖ teacher).
-  The selection is either gathered indices (`idx`, `valid` from `top_n_indices`) or a threshold
+  measure: 'forward' = KL(teacher ‖ student) (mass-covering, the paper's default), 'reverse' =
+  KL(student ‖ teacher), 'tv' = total variation, 'js' = Jensen-Shannon (`_terms`). The selection is either gathered indices (`idx`, `valid` from `top_n_indices`) or a threshold
   (teacher > `threshold_BxT`, joined with student > `student_threshold_BxT` if given; see
   `top_n_threshold`). renormalize: both softmaxes run over the selected logits only (Fig. 6;
-  default); otherwise full-vocabulary log-probabilities, with the KL sum restricted to S.
+  default); otherwise full-vocabulary log-probabilities, with the sum of terms restricted to S.
   """
   t_BxTxV = teacher_BxTxV.astype(jnp.float32) / tau
   s_BxTxV = student_BxTxV.astype(jnp.float32) / tau
   if threshold_BxT is not None:
     sel_BxTxV = selection_mask(teacher_BxTxV, threshold_BxT, student_BxTxV, student_threshold_BxT)
-    return _masked_kl(t_BxTxV, s_BxTxV, sel_BxTxV, direction=direction, renormalize=renormalize)
+    return _masked_divergence(t_BxTxV, s_BxTxV, sel_BxTxV, measure=measure, renormalize=renormalize)
   if idx_BxTxN is None:
     logq, logp = jax.nn.log_softmax(t_BxTxV, -1), jax.nn.log_softmax(s_BxTxV, -1)
     valid = jnp.ones(logq.shape, bool)
@@ -289,7 +327,7 @@ def kl_divergence(teacher_BxTxV, student_BxTxV, idx_BxTxN=None, valid_BxTxN=None
     else:
       logq = jnp.take_along_axis(jax.nn.log_softmax(t_BxTxV, -1), idx_BxTxN, axis=-1)
       logp = jnp.take_along_axis(jax.nn.log_softmax(s_BxTxV, -1), idx_BxTxN, axis=-1)
-  terms = _kl_terms(logq, logp, direction)
+  terms = _terms(logq, logp, measure)
   return jnp.sum(jnp.where(valid, terms, 0.0), axis=-1)
 
 
@@ -305,9 +343,9 @@ def ensemble_teacher(logits_BxTxV, mtp_logits_KxBxTxV, k: int):
   return jax.nn.logsumexp(logp_MxBxTxV, axis=0) - jnp.log(float(len(members)))
 
 
-def _threshold_kls(logits_BxTxV, mtp_logits_KxBxTxV, heads, *, top_n, top_n_mode, kl, renormalize, tau,
-                   detach, teacher):
-  """Per head k, the threshold-selected KL at each position ([B, T]; junk at the last k positions).
+def _threshold_divergences(logits_BxTxV, mtp_logits_KxBxTxV, heads, *, top_n, top_n_mode, measure,
+                           renormalize, tau, detach, teacher):
+  """Per head k, the threshold-selected divergence at each position ([B, T]; junk at the last k positions).
 
   With the main head as teacher, its selection (and, in `teacher` mode, its log-normaliser over
   the selection) is computed once per row; head k reads it k rows on.
@@ -318,7 +356,7 @@ def _threshold_kls(logits_BxTxV, mtp_logits_KxBxTxV, heads, *, top_n, top_n_mode
     main_lse_BxT = None
     if top_n_mode == 'teacher':
       main_lse_BxT = teacher_log_normalizer(main_t_BxTxV, main_thr_BxT, renormalize)
-  kls = []
+  divs = []
   for k, student_BxTxV in enumerate(heads, start=1):
     s_BxTxV = student_BxTxV.astype(jnp.float32) / tau
     s_thr_BxT = top_n_threshold(s_BxTxV, top_n) if top_n_mode == 'union' else None
@@ -329,13 +367,14 @@ def _threshold_kls(logits_BxTxV, mtp_logits_KxBxTxV, heads, *, top_n, top_n_mode
       t_BxTxV = lax.stop_gradient(t_BxTxV) if detach else t_BxTxV
       thr_BxT, lse_BxT, shift = top_n_threshold(t_BxTxV, top_n), None, 0
     if detach:
-      kls.append(_detached_kl(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, lse_BxT, shift, kl, renormalize))
+      divs.append(_detached_divergence(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, lse_BxT, shift, measure,
+                                      renormalize))
     else:
       t_BxTxV, thr_BxT = shift_left(t_BxTxV, shift), shift_left(thr_BxT, shift, fill=-jnp.inf)
       lse_BxT = jax.tree.map(lambda x: shift_left(x, shift), lse_BxT)
-      kls.append(_masked_kl(t_BxTxV, s_BxTxV, selection_mask(t_BxTxV, thr_BxT, s_BxTxV, s_thr_BxT),
-                            direction=kl, renormalize=renormalize, t_lse_BxT=lse_BxT))
-  return kls
+      divs.append(_masked_divergence(t_BxTxV, s_BxTxV, selection_mask(t_BxTxV, thr_BxT, s_BxTxV, s_thr_BxT),
+                                    measure=measure, renormalize=renormalize, t_lse_BxT=lse_BxT))
+  return divs
 
 
 def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, target_segment_ids_BxT,
@@ -356,8 +395,8 @@ def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, t
   """
   num_heads = mtp_logits_KxBxTxV.shape[0]
   cfg.check_heads(num_heads)
-  ce_weight, beta, distill, top_n, detach, teacher, kl = (cfg.ce_weight, cfg.beta, cfg.distill, cfg.top_n,
-                                                          cfg.detach, cfg.teacher, cfg.kl)
+  ce_weight, beta, distill, top_n, detach, teacher = (cfg.ce_weight, cfg.beta, cfg.distill, cfg.top_n,
+                                                      cfg.detach, cfg.teacher)
   logits_BxTxV, mtp_logits_KxBxTxV = materialize_grad((logits_BxTxV, mtp_logits_KxBxTxV))
   # Split, not index: the cotangents of the heads are then concatenated, where indexing would
   # add K zero-padded [K, B, T, V] arrays, which XLA:CPU re-reads K times (3x slower step).
@@ -369,11 +408,11 @@ def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, t
   teacher_logits_BxTxV = jax.lax.stop_gradient(logits_BxTxV) if detach else logits_BxTxV
   main_argmax_BxT = jnp.argmax(logits_BxTxV, axis=-1)
   # The main-head Top-N of each row is shared by every head (head k reads it shifted by k).
-  shared_idx, threshold_kls = None, None
+  shared_idx, threshold_divs = None, None
   if distill and top_n is not None and cfg.selection == 'threshold':
-    threshold_kls = _threshold_kls(logits_BxTxV, mtp_logits_KxBxTxV, heads, top_n=top_n,
-                                   top_n_mode=cfg.top_n_mode, kl=kl, renormalize=cfg.renormalize, tau=cfg.tau,
-                                   detach=detach, teacher=teacher)
+    threshold_divs = _threshold_divergences(logits_BxTxV, mtp_logits_KxBxTxV, heads, top_n=top_n,
+                                           top_n_mode=cfg.top_n_mode, measure=cfg.measure,
+                                           renormalize=cfg.renormalize, tau=cfg.tau, detach=detach, teacher=teacher)
   elif distill and top_n is not None and teacher == 'main' and cfg.top_n_mode == 'teacher':
     shared_idx = top_n_indices(teacher_logits_BxTxV, None, top_n, 'teacher')
   for k in range(1, num_heads + 1):
@@ -388,8 +427,8 @@ def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, t
     metrics[f'mtp/k{k}/agree'] = masked_mean(agree_BxT, mask_BxT)
     if not distill:
       continue
-    if threshold_kls is not None:
-      kl_BxT = threshold_kls[k - 1]
+    if threshold_divs is not None:
+      kl_BxT = threshold_divs[k - 1]
     else:
       if teacher == 'main':
         t_BxTxV = shift_left(teacher_logits_BxTxV, k)
@@ -402,8 +441,8 @@ def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, t
         idx, valid = shift_left(shared_idx[0], k), shift_left(shared_idx[1], k)
       else:
         idx, valid = top_n_indices(t_BxTxV, student_BxTxV, top_n, cfg.top_n_mode)
-      kl_BxT = kl_divergence(t_BxTxV, student_BxTxV, idx, valid, direction=kl,
-                             renormalize=cfg.renormalize, tau=cfg.tau)
+      kl_BxT = distill_divergence(t_BxTxV, student_BxTxV, idx, valid, measure=cfg.measure,
+                                  renormalize=cfg.renormalize, tau=cfg.tau)
     kl_k = masked_mean(kl_BxT, mask_BxT)
     loss += beta_scale * beta[k - 1] * kl_k
     metrics[f'distill/k{k}/kl'] = kl_k

@@ -71,6 +71,7 @@ _COUNTED = set()  # model configs whose built parameter count was checked agains
 
 @pytest.mark.parametrize('field,value,message', [
     ('distill.kl', 'sideways', "distill.kl='sideways' must be one of ('forward', 'reverse')"),
+    ('distill.divergence', 'hellinger', "distill.divergence='hellinger' must be one of ('kl', 'tv', 'js')"),
     ('distill.top_n', 0, 'distill.top_n=0 must be None or an int'),
     ('distill.top_n', 10 ** 6, 'must be None or an int in'),
     ('mtp.num_heads', -1, 'mtp.num_heads=-1 must be an int >= 0'),
@@ -88,6 +89,16 @@ def test_bad_values_are_refused(field, value, message):
   config.update_from_flattened_dict({field: value})
   with pytest.raises(ValueError, match=re.escape(message)):
     validation.validate_config(config)
+
+
+def test_a_symmetric_divergence_with_a_kl_direction_is_refused():
+  from conftest import small_config
+  config = small_config(num_heads=1)
+  config.update_from_flattened_dict({'distill.divergence': 'js', 'distill.kl': 'reverse'})
+  with pytest.raises(ValueError, match=re.escape("kl='reverse' is a direction of the KL; divergence='js' is symmetric")):
+    validation.validate_config(config)
+  config.distill.kl = 'forward'
+  validation.validate_config(config)
 
 
 def test_cli_refuses_bad_input_with_one_line_and_exit_2(tmp_path):

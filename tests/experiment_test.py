@@ -17,7 +17,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ('ablation_topn', 'mtp_vs_mtpd', 'ablation_detach', 'ablation_beta', 'ablation_kl', 'ablation_step_weights',
-           'ablation_ensemble', 'looped', 'looped_deep')
+           'ablation_ensemble', 'ablation_divergence', 'looped', 'looped_deep')
 sys.path.insert(0, ROOT)
 from experiments import run as run_cli  # noqa: E402
 

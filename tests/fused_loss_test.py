@@ -21,6 +21,10 @@ from conftest import gathered_shapes, loss_inputs, small_config
     dict(kl='reverse', renormalize=False, tau=1.5),  # head by head
     dict(top_n_mode='union', top_n=5),
     dict(distill=False),
+    dict(divergence='tv'),                           # the symmetric divergences, head by head
+    dict(divergence='tv', renormalize=False, top_n_mode='union', top_n=5),
+    dict(divergence='js', tau=1.5),
+    dict(divergence='js', renormalize=False, top_n=None),
     dict(far_heads=True),  # heads' selected logits > 40 nats below their maxima: the exact path
 ])
 def test_fused_loss_from_hidden_states_equals_the_loss_of_the_logits(kw):
@@ -87,7 +91,8 @@ def test_fused_loss_refuses_what_it_does_not_implement():
   assert train.StepConfig(loss=cfg).loss_chunk_rows == 0
 
 
-def test_fused_loss_with_a_vocab_sharded_unembedding_equals_unsharded():
+@pytest.mark.parametrize('divergence', losses.DIVERGENCES)
+def test_fused_loss_with_a_vocab_sharded_unembedding_equals_unsharded(divergence):
   k, b, t, d, v = 2, 2, 8, 6, 96
   hidden = jax.random.normal(jax.random.key(50), (k + 1, b, t, d))
   w = jax.random.normal(jax.random.key(51), (d, v)) * 2.0
@@ -95,8 +100,8 @@ def test_fused_loss_with_a_vocab_sharded_unembedding_equals_unsharded():
   mesh = sharding.make_mesh((2, 1, 4), ('data', 'fsdp', 'model'))
 
   def loss(hidden, w):
-    return fused_loss.mtp_d_loss_fused(hidden, w, targets, seg, tseg, losses.LossConfig(beta=(1.0, 0.5), top_n=8),
-                                       chunk_rows=8)[0]
+    cfg = losses.LossConfig(beta=(1.0, 0.5), top_n=8, divergence=divergence)
+    return fused_loss.mtp_d_loss_fused(hidden, w, targets, seg, tseg, cfg, chunk_rows=8)[0]
   grad_fn = jax.value_and_grad(loss, argnums=(0, 1))
   want, g_want = jax.jit(grad_fn)(hidden, w)
   shardings = (NamedSharding(mesh, P(None, 'data')), NamedSharding(mesh, P(None, 'model')))

@@ -17,23 +17,37 @@ def _np_kl(q_logits, p_logits):
   return (q * (np.log(q) - np.log(p))).sum(-1)
 
 
+def _np_probs(logits):
+  e = np.exp(logits - logits.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def _np_tv(q, p):
+  return 0.5 * np.abs(q - p).sum(-1)
+
+
+def _np_js(q, p):
+  m = (q + p) / 2
+  return 0.5 * (q * np.log(q / m)).sum(-1) + 0.5 * (p * np.log(p / m)).sum(-1)
+
+
 def _rand(key, shape):
   return jax.random.normal(jax.random.key(key), shape) * 2.0
 
 
-def test_kl_is_zero_when_student_equals_teacher():
+def test_every_divergence_is_zero_when_student_equals_teacher():
   t = _rand(0, (2, 5, 11))
   for idx in (None, losses.top_n_indices(t, t, 4, 'teacher')[0]):
-    for direction in ('forward', 'reverse'):
-      np.testing.assert_allclose(losses.kl_divergence(t, t, idx, direction=direction), 0.0, atol=1e-6)
+    for measure in losses.MEASURES:
+      np.testing.assert_allclose(losses.distill_divergence(t, t, idx, measure=measure), 0.0, atol=1e-6)
 
 
 def test_whole_vocabulary_kl_matches_numpy():
   t, s = _rand(1, (2, 3, 7)), _rand(2, (2, 3, 7))
-  np.testing.assert_allclose(losses.kl_divergence(t, s), _np_kl(np.asarray(t), np.asarray(s)), rtol=1e-5)
+  np.testing.assert_allclose(losses.distill_divergence(t, s), _np_kl(np.asarray(t), np.asarray(s)), rtol=1e-5)
   # Top-N with N = V, renormalised, is the whole-vocabulary KL.
   idx, _ = losses.top_n_indices(t, s, 7, 'teacher')
-  np.testing.assert_allclose(losses.kl_divergence(t, s, idx), losses.kl_divergence(t, s), rtol=1e-5)
+  np.testing.assert_allclose(losses.distill_divergence(t, s, idx), losses.distill_divergence(t, s), rtol=1e-5)
 
 
 def test_top_n_renormalised_matches_hand_computation_and_n1_is_zero():
@@ -43,9 +57,9 @@ def test_top_n_renormalised_matches_hand_computation_and_n1_is_zero():
   assert sorted(np.asarray(idx).ravel().tolist()) == [0, 2]
   # Renormalised over S = {0, 2}: teacher logits (3, 2), student (0.5, 1).
   expected = _np_kl(np.array([3.0, 2.0]), np.array([0.5, 1.0]))
-  np.testing.assert_allclose(losses.kl_divergence(t, s, idx)[0, 0], expected, rtol=1e-5)
+  np.testing.assert_allclose(losses.distill_divergence(t, s, idx)[0, 0], expected, rtol=1e-5)
   idx1, _ = losses.top_n_indices(t, s, 1, 'teacher')
-  assert float(losses.kl_divergence(t, s, idx1)[0, 0]) == 0.0
+  assert float(losses.distill_divergence(t, s, idx1)[0, 0]) == 0.0
 
 
 def test_partial_kl_uses_full_vocabulary_softmax():
@@ -54,18 +68,38 @@ def test_partial_kl_uses_full_vocabulary_softmax():
   idx, _ = losses.top_n_indices(t, s, 2, 'teacher')
   lq, lp = jax.nn.log_softmax(t[0, 0]), jax.nn.log_softmax(s[0, 0])
   expected = sum(float(jnp.exp(lq[v]) * (lq[v] - lp[v])) for v in (0, 2))
-  got = losses.kl_divergence(t, s, idx, renormalize=False)[0, 0]
+  got = losses.distill_divergence(t, s, idx, renormalize=False)[0, 0]
   np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
 def test_forward_and_reverse_differ_on_an_asymmetric_case():
   t = jnp.log(jnp.array([[[0.9, 0.05, 0.05]]]))
   s = jnp.log(jnp.array([[[0.4, 0.3, 0.3]]]))
-  fwd = float(losses.kl_divergence(t, s, direction='forward')[0, 0])
-  rev = float(losses.kl_divergence(t, s, direction='reverse')[0, 0])
+  fwd = float(losses.distill_divergence(t, s, measure='forward')[0, 0])
+  rev = float(losses.distill_divergence(t, s, measure='reverse')[0, 0])
   np.testing.assert_allclose(fwd, 0.9 * np.log(0.9 / 0.4) + 2 * 0.05 * np.log(0.05 / 0.3), rtol=1e-5)
   np.testing.assert_allclose(rev, 0.4 * np.log(0.4 / 0.9) + 2 * 0.3 * np.log(0.3 / 0.05), rtol=1e-5)
   assert abs(fwd - rev) > 0.1
+
+
+@pytest.mark.parametrize('measure, formula', [('tv', _np_tv), ('js', _np_js)])
+def test_tv_and_js_match_numpy_and_are_symmetric(measure, formula):
+  t, s = np.asarray(_rand(11, (2, 3, 7))), np.asarray(_rand(12, (2, 3, 7)))
+  div = lambda a, b, *args, **kw: np.asarray(losses.distill_divergence(a, b, *args, measure=measure, **kw))
+  whole = formula(_np_probs(t), _np_probs(s))
+  np.testing.assert_allclose(div(t, s), whole, rtol=1e-5)
+  np.testing.assert_allclose(div(s, t), whole, rtol=1e-5)  # symmetric
+  assert np.all(whole > 0) and np.all(whole <= (1.0 if measure == 'tv' else np.log(2.0)))
+  # Over a fixed index set S: renormalised, both distributions are softmaxes over S; not
+  # renormalised, the whole-vocabulary probabilities' terms are summed over S.
+  sel = np.array([0, 2, 5])
+  idx = jnp.broadcast_to(jnp.asarray(sel), t.shape[:-1] + (3,))
+  np.testing.assert_allclose(div(t, s, idx), formula(_np_probs(t[..., sel]), _np_probs(s[..., sel])), rtol=1e-5)
+  np.testing.assert_allclose(div(s, t, idx), div(t, s, idx), rtol=1e-5)
+  q, p = _np_probs(t)[..., sel], _np_probs(s)[..., sel]
+  partial = 0.5 * np.abs(q - p).sum(-1) if measure == 'tv' else \
+      0.5 * (q * np.log(2 * q / (q + p)) + p * np.log(2 * p / (q + p))).sum(-1)
+  np.testing.assert_allclose(div(t, s, idx, renormalize=False), partial, rtol=1e-5)
 
 
 def test_union_mode_index_set_is_teacher_and_student_top_n_without_duplicates():
@@ -77,7 +111,7 @@ def test_union_mode_index_set_is_teacher_and_student_top_n_without_duplicates():
   # The KL over the union equals a renormalised KL over exactly {0, 1, 5}.
   sel = np.array([0, 1, 5])
   expected = _np_kl(np.asarray(t)[0, 0, sel], np.asarray(s)[0, 0, sel])
-  np.testing.assert_allclose(losses.kl_divergence(t, s, idx, valid)[0, 0], expected, rtol=1e-5)
+  np.testing.assert_allclose(losses.distill_divergence(t, s, idx, valid)[0, 0], expected, rtol=1e-5)
 
 
 def test_ensemble_teacher_is_the_mean_of_its_members():
@@ -107,11 +141,14 @@ def _loss_inputs(k=2, b=2, t=8, v=9):
   return logits, mtp, targets, seg, seg
 
 
-def test_teacher_gradient_is_zero_with_detach_and_nonzero_without():
+@pytest.mark.parametrize('divergence', losses.DIVERGENCES)
+@pytest.mark.parametrize('selection', losses.SELECTIONS)
+def test_teacher_gradient_is_zero_with_detach_and_nonzero_without(divergence, selection):
   logits, mtp, targets, seg, tseg = _loss_inputs()
 
   def kl_only(main, detach):
-    _, m = losses.mtp_d_loss(main, mtp, targets, seg, tseg, losses.LossConfig(beta=(1.0, 1.0), top_n=4, detach=detach))
+    cfg = losses.LossConfig(beta=(1.0, 1.0), top_n=4, detach=detach, divergence=divergence, selection=selection)
+    _, m = losses.mtp_d_loss(main, mtp, targets, seg, tseg, cfg)
     return m['distill/k1/kl'] + m['distill/k2/kl']
   assert float(jnp.abs(jax.grad(kl_only)(logits, True)).sum()) == 0.0
   assert float(jnp.abs(jax.grad(kl_only)(logits, False)).sum()) > 0.0
@@ -129,7 +166,7 @@ def test_mtp_d_loss_total_and_metrics_match_their_parts():
   np.testing.assert_allclose(m['mtp/k2/xent'], ce, rtol=1e-5)
   # Head 2's KL at position i uses the main logits at i+2 as teacher.
   idx, _ = losses.top_n_indices(logits[:, 2:], None, 4, 'teacher')
-  kl = losses.kl_divergence(logits[:, 2:], mtp[1][:, :-2], idx).mean()
+  kl = losses.distill_divergence(logits[:, 2:], mtp[1][:, :-2], idx).mean()
   np.testing.assert_allclose(m['distill/k2/kl'], kl, rtol=1e-5)
   # Plain MTP: no KL terms at all.
   loss_ce, m_ce = losses.mtp_d_loss(logits, mtp, targets, seg, tseg, losses.LossConfig(beta=(0.5, 0.25), distill=False))
@@ -158,6 +195,10 @@ def test_bad_arguments_raise():
     losses.LossConfig(teacher='student')
   with pytest.raises(ValueError, match='top_n=0'):
     losses.LossConfig(top_n=0)
+  with pytest.raises(ValueError, match="unknown divergence 'hellinger'"):
+    losses.LossConfig(divergence='hellinger')
+  with pytest.raises(ValueError, match="divergence='tv' is symmetric"):
+    losses.LossConfig(divergence='tv', kl='reverse')
 
 
 @pytest.mark.parametrize('kw', [
@@ -169,6 +210,13 @@ def test_bad_arguments_raise():
     dict(teacher='ensemble_mean'),
     dict(detach=False),
     dict(detach=False, kl='reverse', top_n_mode='union'),
+    dict(divergence='tv'),
+    dict(divergence='tv', renormalize=False, tau=2.0, top_n_mode='union'),
+    dict(divergence='tv', teacher='ensemble_mean', detach=False),
+    dict(divergence='js'),
+    dict(divergence='js', renormalize=False, tau=0.7),
+    dict(divergence='js', top_n_mode='union', teacher='ensemble_mean'),
+    dict(divergence='js', detach=False, renormalize=False),
 ])
 def test_threshold_loss_and_gradients_equal_top_k(kw):
   logits, mtp, targets, seg, tseg = loss_inputs()
@@ -194,14 +242,16 @@ def test_materialize_grad_is_the_identity_in_value_and_gradient():
 
 
 
-@pytest.mark.parametrize('mesh_shape', [(1, 1, 8), (1, 2, 4)])
-def test_vocab_sharded_loss_equals_unsharded_and_never_gathers_the_vocabulary(mesh_shape):
+@pytest.mark.parametrize('mesh_shape, divergence', [((1, 1, 8), 'kl'), ((1, 2, 4), 'kl'), ((1, 2, 4), 'tv'),
+                                                    ((1, 1, 8), 'js')])
+def test_vocab_sharded_loss_equals_unsharded_and_never_gathers_the_vocabulary(mesh_shape, divergence):
   v = 96  # a size no other dimension has, to spot it in the HLO
   logits, mtp, targets, seg, tseg = loss_inputs(k=2, b=2, t=10, v=v)
   mesh = sharding.make_mesh(mesh_shape, ('data', 'fsdp', 'model'))
 
   def loss(main, heads):
-    return losses.mtp_d_loss(main, heads, targets, seg, tseg, losses.LossConfig(beta=(1.0, 0.5), top_n=8))[0]
+    cfg = losses.LossConfig(beta=(1.0, 0.5), top_n=8, divergence=divergence)
+    return losses.mtp_d_loss(main, heads, targets, seg, tseg, cfg)[0]
   grad_fn = jax.value_and_grad(loss, argnums=(0, 1))
   want, g_want = jax.jit(grad_fn)(logits, mtp)
   main_sh = NamedSharding(mesh, P(None, None, 'model'))

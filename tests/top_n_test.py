@@ -46,22 +46,22 @@ def test_ties_at_the_nth_value_are_all_selected():
   np.testing.assert_array_equal(sel, [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
 
 
-@pytest.mark.parametrize('direction', ['forward', 'reverse'])
+@pytest.mark.parametrize('measure', losses.MEASURES)
 @pytest.mark.parametrize('renormalize', [True, False])
-def test_threshold_kl_equals_gathered_top_k_kl(direction, renormalize):
+def test_threshold_divergence_equals_gathered_top_k_divergence(measure, renormalize):
   t, s = distinct_logits(5, (2, 4, 64)), distinct_logits(6, (2, 4, 64), scale=5.0)
   idx, valid = losses.top_n_indices(t, s, 9, 'teacher')
-  want = losses.kl_divergence(t, s, idx, valid, direction=direction, renormalize=renormalize, tau=0.7)
-  got = losses.kl_divergence(t, s, direction=direction, renormalize=renormalize, tau=0.7,
-                             threshold_BxT=losses.top_n_threshold(t, 9))
+  want = losses.distill_divergence(t, s, idx, valid, measure=measure, renormalize=renormalize, tau=0.7)
+  got = losses.distill_divergence(t, s, measure=measure, renormalize=renormalize, tau=0.7,
+                                  threshold_BxT=losses.top_n_threshold(t, 9))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_threshold_union_counts_shared_indices_once():
   t = jnp.array([[[5.0, 4.0, 0.0, 0.1, 0.2, 0.3]]])
   s = jnp.array([[[4.0, 0.0, 0.1, 0.2, 0.3, 5.0]]])  # student top-2 = {5, 0}; 0 is shared
-  got = losses.kl_divergence(t, s, threshold_BxT=losses.top_n_threshold(t, 2),
-                             student_threshold_BxT=losses.top_n_threshold(s, 2))
+  got = losses.distill_divergence(t, s, threshold_BxT=losses.top_n_threshold(t, 2),
+                                  student_threshold_BxT=losses.top_n_threshold(s, 2))
   sel = np.array([0, 1, 5])
   q = jax.nn.log_softmax(t[0, 0, sel])
   p = jax.nn.log_softmax(s[0, 0, sel])
@@ -70,7 +70,7 @@ def test_threshold_union_counts_shared_indices_once():
 
 def test_threshold_n1_is_zero_and_n_equals_v_is_the_whole_vocabulary_kl():
   t, s = distinct_logits(7, (2, 3, 11)), distinct_logits(8, (2, 3, 11))
-  kl1 = losses.kl_divergence(t, s, threshold_BxT=losses.top_n_threshold(t, 1))
+  kl1 = losses.distill_divergence(t, s, threshold_BxT=losses.top_n_threshold(t, 1))
   np.testing.assert_array_equal(kl1, 0.0)
-  klv = losses.kl_divergence(t, s, threshold_BxT=losses.top_n_threshold(t, 11))
-  np.testing.assert_allclose(klv, losses.kl_divergence(t, s), rtol=1e-5)
+  klv = losses.distill_divergence(t, s, threshold_BxT=losses.top_n_threshold(t, 11))
+  np.testing.assert_allclose(klv, losses.distill_divergence(t, s), rtol=1e-5)

@@ -151,7 +151,7 @@ def draft_vocab(config, batches: int = 64) -> np.ndarray:
 def format_summary(metrics: dict[str, float], num_heads: int) -> str:
   """Held-out metrics as a small table: one row for the main head, one per MTP head."""
   lines = [f'held-out loss {metrics["eval/loss"]:.4f}',
-           f'{"head":>6} {"xent":>8} {"kl":>8} {"agree":>8}',
+           f'{"head":>6} {"xent":>8} {"distill":>8} {"agree":>8}',
            f'{"main":>6} {metrics["eval/xent"]:8.4f} {"":>8} {"":>8}']
   for k in range(1, num_heads + 1):
     kl = metrics.get(f'eval/distill/k{k}/kl')

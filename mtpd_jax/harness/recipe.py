@@ -43,7 +43,8 @@ def loss_config(config: ml_collections.ConfigDict) -> losses.LossConfig:
   d = config.distill
   return losses.LossConfig(ce_weight=config.mtp.ce_weight, beta=resolve_beta(config), distill=d.enabled,
                            top_n=d.top_n, top_n_mode=d.top_n_mode, renormalize=d.renormalize, kl=d.kl,
-                           tau=d.tau, detach=d.detach, teacher=d.teacher, selection=d.selection)
+                           tau=d.tau, detach=d.detach, teacher=d.teacher, selection=d.selection,
+                           divergence=d.divergence)
 
 
 def step_config(config: ml_collections.ConfigDict) -> train.StepConfig:

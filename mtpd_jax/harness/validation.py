@@ -176,6 +176,7 @@ FIELD_RULES: dict[str, Rule] = {
     'distill.selection': one_of(*losses.SELECTIONS),
     'distill.renormalize': flag(),
     'distill.kl': one_of(*losses.KL_DIRECTIONS),
+    'distill.divergence': one_of(*losses.DIVERGENCES),
     'distill.tau': real(0, lo_open=True),
     'distill.beta': Rule('None | finite number >= 0 | one per head', _beta),
     'distill.beta_schedule': one_of(*recipe.BETA_SCHEDULES),
