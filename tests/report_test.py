@@ -66,11 +66,52 @@ def test_rows_pair_with_their_reference_and_old_results_without_counts_are_skipp
   assert list(paired) == ['MTP-D'] and paired['MTP-D']['reference'] == 'MTP'
   assert paired['MTP-D']['sets']['chat']['ar1']['diff'] == pytest.approx(0.4)
   table = report.paired_table(paired)
-  assert '| MTP-D | MTP | chat | 2 | +40.00 [' in table
+  assert '| MTP-D | MTP | chat | 2 × 1 | +40.00 [' in table
   md = report.write(rows, [[], [], []], str(tmp_path), title='t', num_seeds=1, references=refs)
   assert '## Paired differences from a reference row' in md
   saved = json.loads((tmp_path / 'results.json').read_text())
   assert list(saved['rows']) == ['MTP', 'MTP-D', 'old'] and list(saved['paired']) == ['MTP-D']
+
+
+def test_seeds_are_resampled_so_their_spread_widens_the_interval():
+  rng = np.random.default_rng(1)
+  steps = rng.integers(40, 60, 64)
+  b = _counts(steps, steps // 4, steps // 4)
+  # Three seeds of 64 prompts: seeds 0 and 2 gain 20 points, seed 1 loses 10, each on every prompt.
+  a_seeds = [_counts(steps, np.round(steps * r), np.round(steps * r)) for r in (0.45, 0.15, 0.45)]
+  pooled = report.paired_bootstrap(np.concatenate(a_seeds), np.concatenate([b] * 3))['ar1']
+  two_level = report.paired_bootstrap(np.stack(a_seeds), np.stack([b] * 3))
+  assert two_level['seeds'] == 3 and two_level['prompts'] == 64
+  assert two_level['ar1']['diff'] == pytest.approx(pooled['diff'])
+  assert pooled['verdict'] == 'higher'  # prompts alone: every prompt gains on average
+  assert two_level['ar1']['lo'] < 0 < two_level['ar1']['hi'] and two_level['ar1']['verdict'] == 'inconclusive'
+  # One seed: the two-level resample is the prompt bootstrap, to the last bit.
+  assert report.paired_bootstrap(a_seeds[0][None], b[None])['ar1'] == report.paired_bootstrap(a_seeds[0], b)['ar1']
+
+
+def _seeded_run(ar, car, acc1):
+  run = _run(acc1=acc1)
+  run['eval']['prompt_sets']['chat'].update(ar=ar, car=car)
+  run['eval']['prompt_sets']['code'] = {**run['eval']['prompt_sets']['chat'], 'ar': [a / 2 for a in ar]}
+  return run
+
+
+def test_all_pools_the_prompt_sets_and_bars_carry_the_seed_spread(tmp_path):
+  rows = [('MTP', [_seeded_run([0.2, 0.1], [0.2, 0.02], (1, 2)) for _ in range(3)]),
+          ('MTP-D', [_seeded_run([0.4 + 0.1 * s, 0.2], [0.4, 0.08], (5, 6)) for s in range(3)])]
+  paired = report.paired_differences(rows, {'MTP-D': 'MTP'})['MTP-D']['sets']
+  assert set(paired) == {'chat', 'code', 'all'}
+  assert paired['all']['prompts'] == 4 and paired['all']['seeds'] == 3
+  assert paired['all']['ar1']['diff'] == pytest.approx(0.4)
+  mean, spread = report.head_bars(rows, 'ar')
+  # AR of head 1 averaged over chat (x) and code (x / 2): 0.75·x, in %.
+  np.testing.assert_allclose(mean, [[15.0, 7.5], [37.5, 15.0]])
+  np.testing.assert_allclose(spread, [[0.0, 0.0], [7.5, 0.0]])
+  md = report.write(rows, [[], []], str(tmp_path), title='t', num_seeds=3, references={'MTP-D': 'MTP'})
+  assert '3 seeds per row' in md and '37.50 ± 7.50' in md and '| MTP-D | MTP | all | 4 × 3 |' in md
+  assert (tmp_path / 'acceptance.png').stat().st_size > 0
+  one = report.write([(label, runs[:1]) for label, runs in rows], [[], []], str(tmp_path), title='t', num_seeds=1)
+  assert '±' not in one.replace('mean ± std', '') and 'no spread is shown' in one
 
 
 def test_a_point_names_its_reference_and_an_unknown_one_is_refused():

@@ -90,24 +90,34 @@ def _prompt_counts(runs, name: str):
   return out
 
 
-def paired_bootstrap(a_Bx3, b_Bx3, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict:
-  """AR1 and tokens per forward of `a` minus `b` on the same B prompts (rows: steps, accepted_1, accepted).
+def paired_bootstrap(a, b, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict:
+  """AR1 and tokens per forward of `a` minus `b` on the same P prompts, for S paired seeds.
 
-  `diff` is the difference over all prompts; `lo`/`hi` the 2.5 and 97.5 percentiles of it over
-  prompts resampled with replacement, the same resample for both (a paired bootstrap);
+  a, b: [P, 3] (one seed) or [S, P, 3] arrays of per-prompt (steps, accepted_1, accepted); seed
+  s of `a` is paired with seed s of `b` (the same data order and initial shift). `diff` is the
+  difference of the pooled rates; `lo`/`hi` the 2.5 and 97.5 percentiles of it over a two-level
+  resample, the same for both rows: S seeds drawn with replacement, then P prompts with
+  replacement within each, so the interval holds the seed-to-seed spread as well as the prompts'.
   `verdict` says whether the interval lies above zero, below it, or holds it ('inconclusive').
   """
-  p = len(a_Bx3)
-  idx_ZxB = np.random.default_rng(seed).integers(0, p, size=(samples, p))
-  weight_ZxB = np.zeros((samples, p))
-  np.add.at(weight_ZxB, (np.repeat(np.arange(samples), p), idx_ZxB.ravel()), 1.0)
+  a_SxPx3, b_SxPx3 = (np.asarray(x, float).reshape((-1,) + np.shape(x)[-2:]) for x in (a, b))
+  s, p = a_SxPx3.shape[:2]
+  rng = np.random.default_rng(seed)
+  idx_ZxSxP = rng.integers(0, p, size=(samples, s, p))
+  weight_ZxSxP = np.zeros((samples, s, p))
+  np.add.at(weight_ZxSxP, (np.arange(samples)[:, None, None], np.arange(s)[None, :, None], idx_ZxSxP), 1.0)
+  if s > 1:
+    seeds_ZxS = rng.integers(0, s, size=(samples, s))
+    times_ZxS = np.zeros((samples, s))
+    np.add.at(times_ZxS, (np.arange(samples)[:, None], seeds_ZxS), 1.0)
+    weight_ZxSxP *= times_ZxS[..., None]
 
-  def rates(w, x):  # (AR1, tokens per forward) of prompts weighted by w
-    sums = w @ x
+  def rates(w, x):  # (AR1, tokens per forward) of seed-prompts weighted by w
+    sums = np.einsum('...sp,spc->...c', w, x)
     return sums[..., 1] / sums[..., 0], 1.0 + sums[..., 2] / sums[..., 0]
-  full_a, full_b = rates(np.ones(p), a_Bx3), rates(np.ones(p), b_Bx3)
-  boot_a, boot_b = rates(weight_ZxB, a_Bx3), rates(weight_ZxB, b_Bx3)
-  out = {'prompts': p}
+  full_a, full_b = rates(np.ones((s, p)), a_SxPx3), rates(np.ones((s, p)), b_SxPx3)
+  boot_a, boot_b = rates(weight_ZxSxP, a_SxPx3), rates(weight_ZxSxP, b_SxPx3)
+  out = {'prompts': p, 'seeds': s}
   for i, key in enumerate(('ar1', 'tokens_per_forward')):
     lo, hi = np.percentile(boot_a[i] - boot_b[i], [2.5, 97.5])
     out[key] = {'diff': float(full_a[i] - full_b[i]), 'lo': float(lo), 'hi': float(hi),
@@ -116,9 +126,11 @@ def paired_bootstrap(a_Bx3, b_Bx3, *, samples: int = BOOTSTRAP_SAMPLES, seed: in
 
 
 def paired_differences(rows, references: dict[str, str]) -> dict:
-  """{label: {'reference': ref, 'sets': {set: paired_bootstrap}}} for every row with a reference.
+  """{label: {'reference': ref, 'sets': {set: paired_bootstrap}}} for every row with a reference;
+  with several prompt sets, 'all' pools their prompts (one verdict per row).
 
-  Seeds pair up by index (seed i of the row with seed i of its reference) and their prompts pool.
+  Seeds pair up by index (seed i of the row with seed i of its reference); `paired_bootstrap`
+  resamples seeds and prompts.
   """
   by_label = dict(rows)
   out = {}
@@ -126,12 +138,16 @@ def paired_differences(rows, references: dict[str, str]) -> dict:
     ref = references.get(label)
     if ref is None or not _evals(runs) or not _evals(by_label.get(ref, [])):
       continue
-    sets = {}
+    sets, stacked = {}, {}
     for name in sorted(set(_evals(runs)[0]['prompt_sets']) & set(_evals(by_label[ref])[0]['prompt_sets'])):
       pairs = [(a, b) for a, b in zip(_prompt_counts(runs, name), _prompt_counts(by_label[ref], name))
                if a is not None and b is not None and a.shape == b.shape]
+      pairs = [(a, b) for a, b in pairs if a.shape == pairs[0][0].shape]  # every seed decodes the same prompts
       if pairs:
-        sets[name] = paired_bootstrap(np.concatenate([a for a, _ in pairs]), np.concatenate([b for _, b in pairs]))
+        stacked[name] = np.stack([a for a, _ in pairs]), np.stack([b for _, b in pairs])
+        sets[name] = paired_bootstrap(*stacked[name])
+    if len({a.shape[0] for a, _ in stacked.values()}) == 1 and len(stacked) > 1:  # the same seeds in every set
+      sets['all'] = paired_bootstrap(*(np.concatenate(x, axis=1) for x in zip(*stacked.values())))
     if sets:
       out[label] = {'reference': ref, 'sets': sets}
   return out
@@ -139,12 +155,12 @@ def paired_differences(rows, references: dict[str, str]) -> dict:
 
 def paired_table(paired: dict) -> str:
   """One line per (row, prompt set): the differences from the reference row and their intervals."""
-  lines = ['| variant | minus | set | prompts | AR1 (points) [95% interval] | tokens/fwd [95% interval] | AR1 |',
+  lines = ['| variant | minus | set | prompts × seeds | AR1 (points) [95% interval] | tokens/fwd [95% interval] | AR1 |',
            '|---|---|---|---|---|---|---|']
   for label, entry in paired.items():
     for name, d in entry['sets'].items():
       ar, tpf = d['ar1'], d['tokens_per_forward']
-      lines.append(f"| {label} | {entry['reference']} | {name} | {d['prompts']} | "
+      lines.append(f"| {label} | {entry['reference']} | {name} | {d['prompts']} × {d.get('seeds', 1)} | "
                    f"{100 * ar['diff']:+.2f} [{100 * ar['lo']:+.2f}, {100 * ar['hi']:+.2f}] | "
                    f"{tpf['diff']:+.3f} [{tpf['lo']:+.3f}, {tpf['hi']:+.3f}] | {ar['verdict']} |")
   return '\n'.join(lines)
@@ -157,19 +173,36 @@ def _plt():
   return plt
 
 
+def head_bars(rows, key: str):
+  """[rows, depth] arrays of `key` ('ar' or 'car', %, averaged over prompt sets) per head: the mean
+  over seeds, and their standard deviation (0 with one seed; NaN mean where a row has no head)."""
+  depth = depth_of(rows)
+  mean, spread = np.full((len(rows), depth), np.nan), np.zeros((len(rows), depth))
+  for i, (_, runs) in enumerate(rows):
+    for k in range(depth):
+      seeds = [100 * v for ev in _evals(runs) if (v := _set_mean(ev, lambda p: _at(p[key], k))) is not None]
+      if seeds:
+        mean[i, k] = np.mean(seeds)
+        spread[i, k] = np.std(seeds, ddof=1) if len(seeds) > 1 else 0.0
+  return mean, spread
+
+
 def plot_acceptance(rows, path: str) -> None:
-  """AR and CAR against draft depth, one line per variant (Figs. 3 and 5)."""
+  """AR and CAR per head as grouped bars, one bar per variant (Figs. 3 and 5); with several seeds
+  the bar is their mean and the error bar their standard deviation."""
   depth = depth_of(rows)
   plt = _plt()
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  width = 0.8 / max(len(rows), 1)
+  fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 1.1 * depth + 0.25 * len(rows) + 3), 7), sharex=True)
   for ax, key, title in zip(axes, ('ar', 'car'), ('AR (conditional) %', 'CAR (cumulative) %')):
-    for label, runs in rows:
-      curve = [np.mean([v for ev in _evals(runs) if (v := _set_mean(ev, lambda p: _at(p[key], k))) is not None]
-                       or [np.nan]) * 100 for k in range(depth)]
-      ax.plot(range(1, depth + 1), curve, marker='o', label=label)
-    ax.set(title=title, xlabel='draft depth (head)', ylim=(0, 100))
-    ax.grid(alpha=0.3)
-  axes[1].legend(fontsize=7)
+    mean_RxK, spread_RxK = head_bars(rows, key)
+    for i, (label, _) in enumerate(rows):
+      x = np.arange(1, depth + 1) + (i - (len(rows) - 1) / 2) * width
+      ax.bar(x, mean_RxK[i], width, yerr=spread_RxK[i] if spread_RxK[i].any() else None, capsize=2, label=label)
+    ax.set(title=title, ylim=(0, 100), xticks=range(1, depth + 1))
+    ax.grid(alpha=0.3, axis='y')
+  axes[1].set_xlabel('draft depth (head)')
+  axes[0].legend(fontsize=7, ncol=2 if len(rows) > 4 else 1)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -207,7 +240,8 @@ def write(rows, run_dirs, out_dir: str, *, title: str, num_seeds: int, reference
   paired = paired_differences(rows, references or {})
   md = '\n'.join([
       f'# {title}', '',
-      f'{num_seeds} seed(s) per row (mean ± std). Main acc: the main head\'s teacher-forced next-token '
+      (f'{num_seeds} seeds per row: each cell is mean ± std over them. ' if num_seeds > 1 else
+       '1 seed per row, so no spread is shown (`--config.seeds=3` adds it). ') + 'Main acc: the main head\'s teacher-forced next-token '
       'accuracy on each prompt set; held-out acc: on held-out training text. AR1: acceptance rate of head '
       '1 under greedy speculative decoding of the set. tokens/fwd: emitted tokens per main forward (the '
       'bonus token counts). speedup vs plain: wall-clock tokens/s of speculative over plain greedy '
@@ -215,9 +249,10 @@ def write(rows, run_dirs, out_dir: str, *, title: str, num_seeds: int, reference
       results_table(rows), '', '## CAR / AR (%) per draft depth, mean over prompt sets', '',
       per_head_table(rows), ''] + ([
           '## Paired differences from a reference row', '',
-          f'The same prompts decoded by both rows; the interval is the 2.5-97.5 percentile of the difference '
-          f'over {BOOTSTRAP_SAMPLES} resamples of the prompts (seeds pair up by index); AR1 says whether it '
-          'lies above zero (higher), below (lower) or holds zero (inconclusive).', '',
+          f'The same prompts decoded by both rows, seed i against seed i; the interval is the 2.5-97.5 '
+          f'percentile of the difference over {BOOTSTRAP_SAMPLES} resamples of the seeds and, within each, of '
+          'the prompts; `all` pools the prompt sets. AR1 says whether the interval lies above zero (higher), '
+          'below (lower) or holds zero (inconclusive).', '',
           paired_table(paired), ''] if paired else []))
   with open(os.path.join(out_dir, 'results.md'), 'w') as f:
     f.write(md)
