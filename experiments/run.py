@@ -133,7 +133,8 @@ def main(argv):
   validation.check_fields(config)  # e.g. seeds=0 would run nothing; each sweep point is validated in full later
   validation.check_decoding_fits(config)
   workdir, results_dir = experiment.run_places(name, path.partition(':')[2], _WORKDIR.value, _RESULTS_DIR.value)
-  report = experiment.run_sweep(config, sweep, workdir, results_dir, indices=indices)
+  from configs import base
+  report = experiment.run_sweep(config, sweep, workdir, results_dir, indices=indices, defaults=base.get_config())
   print(report, flush=True)
   print(f'wrote {results_dir}/results.md, results.json, acceptance.png, loss_curves.png', flush=True)
 

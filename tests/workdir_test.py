@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from configs import base
 from conftest import small_config
 from mtpd_jax import workdir_lock
 from mtpd_jax.harness import cli, experiment, training
@@ -316,3 +317,26 @@ def test_evaluating_a_damaged_checkpoint_is_one_line_exit_2_and_leaves_it_in_pla
   (line,) = capsys.readouterr().err.splitlines()
   assert line.startswith('error: checkpoint 4 in ') and 'is unreadable' in line and 'resumes from' in line
   assert os.path.isdir(workdir / 'checkpoints' / '4') and not os.path.exists(f'{workdir}/checkpoints.unreadable')
+
+
+def test_a_finished_point_of_a_version_that_lacked_a_field_is_still_this_configs(tmp_path):
+  """A field added since a point finished (at its default) does not make a rerun refuse the point;
+  a setting the point really ran with otherwise (here, fewer prompts) does."""
+  config = small_config(num_heads=1)
+  run_dir = str(tmp_path / 'point')
+  os.makedirs(run_dir)
+  saved = json.loads(experiment.with_base(config, str(tmp_path)).to_json())
+  del saved['distill']['divergence']  # written by a version without the field
+  with open(os.path.join(run_dir, 'config.json'), 'w') as f:
+    json.dump(saved, f)
+  stale, defaults = {'config': 'digest of the older version'}, base.get_config()
+  finished = lambda c, d=run_dir, defaults=defaults: experiment._finished_with(stale, c, d, str(tmp_path), defaults)
+  assert finished(config)
+  assert not finished(config, defaults=None)  # without defaults, only the digest counts
+  assert experiment._finished_with({'config': experiment._digest(config.to_json())}, config, 'no such dir', '', None)
+  # The older version distilled with the KL (the field's default), so a TV run is not that point.
+  for field, value in (('eval.max_prompts', config.eval.max_prompts + 1), ('distill.divergence', 'tv')):
+    other = small_config(num_heads=1)
+    other.update_from_flattened_dict({field: value})
+    assert not finished(other), field
+  assert not finished(config, str(tmp_path / 'no config.json'))

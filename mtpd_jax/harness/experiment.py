@@ -191,8 +191,12 @@ def references(sweep: list[dict]) -> dict[str, str]:
 
 
 def run_sweep(config: ml_collections.ConfigDict, sweep: list[dict], workdir: str, results_dir: str, *,
-              indices=None, root: str = 'runs', progress: bool = True) -> str:
+              indices=None, root: str = 'runs', progress: bool = True,
+              defaults: ml_collections.ConfigDict | None = None) -> str:
   """Run every point (or `indices`) for `config.seeds` seeds, then write the report to `results_dir`.
+
+  A finished point is skipped; `defaults` (configs/base.py's, from an entry point) let a point
+  finished by a version that lacked some fields count as finished (`_finished_with`).
 
   Each point's workdir is locked while it runs, so two processes may run different points of one
   sweep (`--sweep_index`), but never the same one.
@@ -214,13 +218,30 @@ def run_sweep(config: ml_collections.ConfigDict, sweep: list[dict], workdir: str
     training.check_workdir(with_base(c, root), run_dir)
     if os.path.exists(summary_path):  # a rerun skips finished points, if they are this config's
       with open(summary_path) as f:
-        if json.load(f).get('config') != _digest(c.to_json()):
+        if not _finished_with(json.load(f), c, run_dir, root, defaults):
           raise ValueError(f'{run_dir} holds results of another config; use another --workdir')
       print(f'{tag} finished earlier: {run_dir}', flush=True)
       continue
     print(f'{tag} workdir {run_dir}', flush=True)
     run_point(c, run_dir, root=root, progress=progress)
   return write_sweep_report(config, points, workdir, results_dir, refs)
+
+
+def _finished_with(summary: dict, config: ml_collections.ConfigDict, run_dir: str, root: str,
+                   defaults: ml_collections.ConfigDict | None) -> bool:
+  """Whether a point's summary holds results of `config`: the same config digest, or a run of a
+  version that lacked some fields, whose config.json matches once those take their `defaults`
+  (configs/base.py's: the older version behaved as the default)."""
+  if summary.get('config') == _digest(config.to_json()):
+    return True
+  if defaults is None:
+    return False
+  try:
+    saved = training.saved_config(run_dir).to_dict()
+  except (FileNotFoundError, ValueError):
+    return False
+  current = json.loads(with_base(config, root).to_json())
+  return _digest(training.with_defaults(saved, json.loads(defaults.to_json()))) == _digest(current)
 
 
 def _point_dir(workdir: str, i: int, s: int, num_points: int, num_seeds: int) -> str:
