@@ -2,6 +2,7 @@
 
   python -m benchmarks.decode_speed [--train_steps=300] [--depths=4,8] [--batch_sizes=1]
   python -m benchmarks.decode_speed --model=smollm2 [--workdir=DIR] [--batch_sizes=1,8] [--draft_vocab=0,4096]
+  python -m benchmarks.decode_speed --depths=4,8 --draft_min_prob=0,0.3,0.6
 
 --model=tiny (the default): a tiny model (8 layers, width 64) with K=4 heads is first trained for
 a few hundred steps on the learnable synthetic stream of mtpd_jax.data (arithmetic progressions
@@ -23,6 +24,11 @@ token-for-token comparison of the greedy outputs.
 or the embedded corpus); verification still uses the whole vocabulary, so decoding stays lossless.
 A list (`0,4096`) decodes every setting with each, side by side (keys `depthJ_dvN`), and
 `draft_vocab_effect` gives each size's AR1 and tokens/s against the whole vocabulary's (0).
+
+--draft_min_prob=p is adaptive depth: a sequence stops drafting at the first depth whose head's top
+probability is below p (lossless; the logits of depths no sequence reaches are skipped). A list
+(`0,0.5`) decodes every setting with each (keys `..._mpP`), and `adaptive_effect` gives each
+threshold's tokens/forward and tokens/s against the full chain's (0).
 
 Prints name=value lines and writes benchmarks/results/decode_speed.json (a GGUF model:
 decode_speed_<name>.json), with the date and command.
@@ -231,6 +237,8 @@ flags.DEFINE_integer('max_prompt_tokens', 256,
 flags.DEFINE_integer('max_new_tokens', None, 'new tokens per prompt (tiny: 128, GGUF: 64)', flag_values=FLAGS)
 flags.DEFINE_string('draft_vocab', '0', 'draft among the N most frequent training tokens (0 = the whole '
                     'vocabulary); a list compares sizes side by side', flag_values=FLAGS)
+flags.DEFINE_string('draft_min_prob', '0', 'adaptive depth: stop drafting below this top probability (0 = '
+                    'the full chain); a list compares thresholds side by side', flag_values=FLAGS)
 flags.DEFINE_integer('repeats', 3, 'timed passes (the best counts)', flag_values=FLAGS)
 flags.DEFINE_integer('timing_steps', None,
                      'steps of the per-step cost loops (tiny: 256, GGUF: 32)', flag_values=FLAGS)
@@ -258,6 +266,12 @@ def parse_args(argv=None) -> types.SimpleNamespace:
     raise cli.InputError(f'--draft_vocab={args.draft_vocab} must be a comma-separated list of integers')
   if any(n < 0 for n in args.draft_vocab) or len(set(args.draft_vocab)) != len(args.draft_vocab):
     raise cli.InputError(f'--draft_vocab={args.draft_vocab} must be distinct sizes >= 0')
+  try:
+    args.draft_min_prob = [float(p) for p in str(args.draft_min_prob).split(',')]
+  except ValueError:
+    raise cli.InputError(f'--draft_min_prob={args.draft_min_prob} must be a comma-separated list of numbers')
+  if any(not 0 <= p <= 1 for p in args.draft_min_prob) or len(set(args.draft_min_prob)) != len(args.draft_min_prob):
+    raise cli.InputError(f'--draft_min_prob={args.draft_min_prob} must be distinct numbers in [0, 1]')
   if args.out and not args.out.endswith('.json'):
     raise cli.InputError(f'--out={args.out} must name a .json file')
   if not args.out:
@@ -281,6 +295,23 @@ def draft_vocab_effect(sets: dict, depths, vocabs) -> dict:
   return out
 
 
+def adaptive_effect(sets: dict, keys: dict) -> dict:
+  """Per set, batch and chain (key without the threshold): each threshold's tokens/forward and
+  speculative tokens/s over the full chain's (threshold 0, decoded in this process)."""
+  out = {}
+  for name, by_batch in sets.items():
+    for b, runs in by_batch.items():
+      for chain, by_p in keys.items():
+        full = runs[by_p[0.0]]
+        out[f'{name}/{b}/{chain}'] = {
+            p: {'tokens_per_forward': runs[k]['tokens_per_forward'],
+                'tokens_per_forward_full': full['tokens_per_forward'],
+                'spec_tokens_per_s_over_full': runs[k]['spec_tokens_per_s'] / full['spec_tokens_per_s'],
+                'lossless': runs[k]['lossless']}
+            for p, k in by_p.items() if p}
+  return out
+
+
 def _print(prefix: str, r: dict) -> None:
   for key in PRINTED:
     if key in r:
@@ -298,14 +329,17 @@ def main(args: types.SimpleNamespace) -> dict:
   batch_sizes = [int(b) for b in args.batch_sizes.split(',')]
   results = {'model': args.model, 'num_heads': model.cfg.num_mtp_heads, **info, 'args': vars(args),
              'model_config': dataclasses.asdict(model.cfg), 'sets': {}}
+  chains = {}  # key without the threshold -> {threshold: key}
   for name, prompts in sets.items():
     for b in batch_sizes:
-      for depth, (n, vocab) in itertools.product(depths, vocabs.items()):
-        key = f'depth{depth}' + (f'_dv{n}' if len(vocabs) > 1 else '')
+      for depth, (n, vocab), p in itertools.product(depths, vocabs.items(), args.draft_min_prob):
+        chain = f'depth{depth}' + (f'_dv{n}' if len(vocabs) > 1 else '')
+        key = chain + (f'_mp{p:g}' if len(args.draft_min_prob) > 1 else '')
+        chains.setdefault(chain, {})[p] = key
         r = evaluate.evaluate_prompt_set(model, prompts, draft_depth=depth, max_new_tokens=args.max_new_tokens,
                                          batch_size=b, stop_tokens=stop, pad_multiple=pad, repeats=args.repeats,
                                          timing_steps=args.timing_steps, timing_repeats=args.timing_repeats,
-                                         draft_vocab=vocab)
+                                         draft_vocab=vocab, draft_min_prob=p)
         r['speedup_measured_over_analytic'] = r['speedup_measured'] / r['speedup_analytic']
         if b == 1:  # where the time goes: per step of the timed runs, prefill and calls included
           plain_s, spec_s = (r['new_tokens'] / r[f'{m}_tokens_per_s'] for m in ('plain', 'spec'))
@@ -319,6 +353,13 @@ def main(args: types.SimpleNamespace) -> dict:
       for n, e in by_size.items():
         print(f"{where}/dv{n}/ar1_minus_full={e['ar1_minus_full']:+.4f} "
               f"{where}/dv{n}/spec_tokens_per_s_over_full={e['spec_tokens_per_s_over_full']:.3f}")
+  if len(args.draft_min_prob) > 1 and 0 in args.draft_min_prob:
+    results['adaptive_effect'] = adaptive_effect(results['sets'], chains)
+    for where, by_p in results['adaptive_effect'].items():
+      for p, e in by_p.items():
+        print(f"{where}/mp{p:g}/tokens_per_forward={e['tokens_per_forward']:.3f} (full chain "
+              f"{e['tokens_per_forward_full']:.3f}) {where}/mp{p:g}/spec_tokens_per_s_over_full="
+              f"{e['spec_tokens_per_s_over_full']:.3f} lossless={e['lossless']}")
   if gguf and args.hf:
     from benchmarks import hf_generate  # pylint: disable=import-outside-toplevel
     if 1 not in batch_sizes:
@@ -327,7 +368,8 @@ def main(args: types.SimpleNamespace) -> dict:
       results['hf'] = 'skipped: transformers or torch is not installed (requirements-hf.txt)'
     else:
       from mtpd_jax.harness import gguf_llama  # pylint: disable=import-outside-toplevel
-      first = f'depth{depths[0]}' + (f'_dv{args.draft_vocab[0]}' if len(vocabs) > 1 else '')
+      first = chains[f'depth{depths[0]}' + (f'_dv{args.draft_vocab[0]}' if len(vocabs) > 1 else '')][
+          args.draft_min_prob[0]]
       b1 = {name: results['sets'][name]['b1'][first] for name in sets}
       results.update(hf_side_by_side(model, gguf_llama.resolve(args.model), sets, b1, stop=stop,
                                      pad_multiple=pad, args=args))

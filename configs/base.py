@@ -139,6 +139,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval.draft_depth = 0          # 0 = K; deeper reuses head ((j-1) mod K)+1 (training-free loop)
   c.eval.batch_size = 8           # prompts decoded together
   c.eval.draft_vocab = 0          # drafts choose among the V' most frequent training tokens (0 = all V); lossless
+  # adaptive depth: a sequence stops drafting at the first depth whose head's top probability is
+  # below this (0 = always the full depth); lossless, and AR/CAR then count unproposed drafts as rejected
+  c.eval.draft_min_prob = 0.0
   c.eval.repeats = 3              # timed passes of each decoding (best of, per batch); one more compiles
   c.eval.timing_steps = 256       # decoding steps timed per setting for the analytic speedup
   c.eval.timing_repeats = 5       # timed passes of those steps (best of)

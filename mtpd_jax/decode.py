@@ -32,6 +32,16 @@ L-1 on (committed tokens, d_1..d_{j-1}), whatever was accepted or rolled back be
 model's own greedy output the online acceptances thus equal the teacher-forced agreement chains.
 The price is 2J positions per head call instead of one (same number of sequential calls).
 
+Adaptive depth (`draft_min_prob` > 0; docs/design.md, "Decoding cost"): a sequence proposes
+drafts d_1..d_n, n the number of leading depths whose head put a probability of at least
+`draft_min_prob` on its most likely token (under the distribution drafts are drawn from; greedy:
+the draft's own probability). That is known before a sampled draft is drawn, so the choice to
+propose never depends on the draw, which keeps sampling lossless. Verification rejects drafts
+past n (and, sampling, treats their q as 0, so the token after n acceptances is drawn from p
+itself): the output is unchanged, greedy or sampled. Every depth still re-runs its window (the
+cache scheme needs it), but the logits of a depth where no sequence of the batch still drafts,
+the largest part of a depth's cost at a large vocabulary, are skipped.
+
 Slots past a sequence's own window may hold stale drafts or prompt padding (ragged batches run
 on padded prompts at per-sequence positions); they are never visible, because every call writes
 the slots of all positions it queries and a query sees only slots <= its position.
@@ -59,6 +69,7 @@ class DecodeOptions:
   temperature: float = 0.0        # 0 = greedy
   top_p: float = 1.0
   stop_tokens: tuple[int, ...] = ()
+  draft_min_prob: float = 0.0     # adaptive depth: stop drafting below this own probability (0 = always J)
 
 
 class DecodeState(NamedTuple):
@@ -75,6 +86,7 @@ class DecodeState(NamedTuple):
   h0_BxSxD: jax.Array | None = None            # trunk hidden states by position
   head_caches: list[Cache] | None = None       # one per draft depth
   draft_logits_BxJxV: jax.Array | None = None  # sampling only: depth-j logits that drafted tokens[length-1+j]
+  num_drafts_B: jax.Array | None = None        # adaptive depth only: drafts proposed for the next verify
 
 
 class DraftVocab(NamedTuple):
@@ -171,28 +183,55 @@ def _draft(model: MTPTransformer, st: DecodeState, start_B, width: int, key, opt
   last_Bx1 = (pending_B - 1 - start_B)[:, None]  # window index of the last trunk position L-1
   h_BxWxD, tokens_BxS = _gather(st.h0_BxSxD, pos_BxW), st.tokens_BxS
   head_caches, draft_logits = [], []
+  drafting_B = jnp.ones(pending_B.shape, bool)  # adaptive depth: every depth so far was confident
+  num_drafts_B = jnp.zeros_like(pending_B)
   for j, key_j in zip(range(1, opts.draft_depth + 1), jax.random.split(key, opts.draft_depth)):
     # Depth j at window position i reads h^{j-1}_i and token i+j, and predicts token i+j+1.
     h_BxWxD, cache = model.mtp_head(head_for_depth(j, model.cfg.num_mtp_heads), h_BxWxD,
                                     _gather(tokens_BxS, pos_BxW + j), pos_BxW, mask_BxWxS,
                                     st.head_caches[j - 1])
     h_Bx1xD = _gather(h_BxWxD, last_Bx1)
-    if vocab is None:
-      draft_B, logits_BxV = None, model.logits(h_Bx1xD)[:, 0]
+    choose = functools.partial(_choose_draft, model, vocab, opts, key_j)
+    if opts.draft_min_prob and j > 1:  # skip the logits once no sequence drafts this deep
+      v = model.cfg.vocab_size
+      draft_B, logits_BxV = jax.lax.cond(jnp.any(drafting_B), choose, lambda h: (
+          jnp.zeros(h.shape[:1], jnp.int32), jnp.zeros((h.shape[0], v), jnp.float32)), h_Bx1xD)
     else:
-      logits_BxU = model.logits(h_Bx1xD, vocab.w_DxU)[:, 0]
-      # Greedy needs only the argmax; sampling, the full row with probability 0 outside the vocabulary.
-      draft_B = None if opts.temperature else vocab.ids_U[jnp.argmax(logits_BxU, axis=-1)]
-      logits_BxV = jnp.full(logits_BxU.shape[:1] + (model.cfg.vocab_size,), -jnp.inf,
-                            logits_BxU.dtype).at[:, vocab.ids_U].set(logits_BxU)
-    if draft_B is None:
-      draft_B = sampling.choose(key_j, logits_BxV, opts.temperature, opts.top_p)
+      draft_B, logits_BxV = choose(h_Bx1xD)
+    if opts.draft_min_prob:
+      drafting_B &= draft_confidence(logits_BxV, draft_B, opts) >= opts.draft_min_prob
+      num_drafts_B += drafting_B
     tokens_BxS = _write(tokens_BxS, (pending_B + j)[:, None], draft_B[:, None])
     head_caches.append(cache)
     draft_logits.append(logits_BxV)
   # Greedy verification reads no draft probabilities; only sampling carries them to the next step.
   return st._replace(tokens_BxS=tokens_BxS, head_caches=head_caches,
-                     draft_logits_BxJxV=jnp.stack(draft_logits, axis=1) if opts.temperature else None)
+                     draft_logits_BxJxV=jnp.stack(draft_logits, axis=1) if opts.temperature else None,
+                     num_drafts_B=num_drafts_B if opts.draft_min_prob else None)
+
+
+def draft_confidence(logits_BxV, draft_B, opts: DecodeOptions):
+  """What adaptive depth compares with `draft_min_prob`: the top probability of the distribution
+  drafts are drawn from (greedy: the draft's own). `draft_B` is deliberately unused: a rule that
+  read the drawn draft's probability would make proposing depend on the draw, and sampled output
+  would no longer follow plain sampling (the decoding tests catch that rule)."""
+  del draft_B
+  return jnp.max(sampling.probs(logits_BxV, opts.temperature or 1.0, opts.top_p), axis=-1)
+
+
+def _choose_draft(model: MTPTransformer, vocab: DraftVocab | None, opts: DecodeOptions, key, h_Bx1xD):
+  """A depth's draft token and its logits over V (-inf outside a draft vocabulary)."""
+  if vocab is None:
+    draft_B, logits_BxV = None, model.logits(h_Bx1xD)[:, 0]
+  else:
+    logits_BxU = model.logits(h_Bx1xD, vocab.w_DxU)[:, 0]
+    # Greedy needs only the argmax; sampling, the full row with probability 0 outside the vocabulary.
+    draft_B = None if opts.temperature else vocab.ids_U[jnp.argmax(logits_BxU, axis=-1)]
+    logits_BxV = jnp.full(logits_BxU.shape[:1] + (model.cfg.vocab_size,), -jnp.inf,
+                          logits_BxU.dtype).at[:, vocab.ids_U].set(logits_BxU)
+  if draft_B is None:
+    draft_B = sampling.choose(key, logits_BxV, opts.temperature, opts.top_p)
+  return draft_B, logits_BxV
 
 
 def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
@@ -206,7 +245,7 @@ def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
   key, key_verify, key_draft = jax.random.split(st.key, 3)
   if j:
     accepted_B, next_B = sampling.verify(key_verify, tokens_BxJ1[:, 1:], st.draft_logits_BxJxV,
-                                         logits_BxJ1xV, opts.temperature, opts.top_p)
+                                         logits_BxJ1xV, opts.temperature, opts.top_p, st.num_drafts_B)
   else:
     accepted_B = jnp.zeros_like(st.length_B)
     next_B = sampling.choose(key_verify, logits_BxJ1xV[:, 0], opts.temperature, opts.top_p)
@@ -331,20 +370,24 @@ def generate(model: MTPTransformer, prompts, **kwargs) -> Generation:
 
   Keyword arguments (see `generate_split`): max_new_tokens, draft_depth (J; above K loops the
   heads), temperature (0 = greedy), top_p, stop_tokens, seed, pad_multiple, draft_vocab (token
-  ids that drafts are chosen from, e.g. `frequent_tokens`; None = the whole vocabulary).
+  ids that drafts are chosen from, e.g. `frequent_tokens`; None = the whole vocabulary),
+  draft_min_prob (adaptive depth: a sequence stops drafting at the first depth whose head's top
+  probability is below it; 0 = always draft_depth).
   """
   return generate_split(*split(model), prompts, **kwargs)
 
 
 def generate_split(structure: Structure, leaves, prompts, *, max_new_tokens: int, draft_depth: int = 0,
                    temperature: float = 0.0, top_p: float = 1.0, stop_tokens=(), seed: int = 0,
-                   pad_multiple: int = 16, draft_vocab=None) -> Generation:
+                   pad_multiple: int = 16, draft_vocab=None, draft_min_prob: float = 0.0) -> Generation:
   """`generate` for a model split once by `split(model)` (saves the split on every call)."""
   if max_new_tokens < 1:
     raise ValueError(f'max_new_tokens={max_new_tokens} must be >= 1')
+  if not 0.0 <= draft_min_prob <= 1.0:
+    raise ValueError(f'draft_min_prob={draft_min_prob} must lie in [0, 1]')
   draft_ids_U = None if draft_vocab is None or not draft_depth else check_draft_vocab(draft_vocab, structure)
   opts = DecodeOptions(max_new_tokens, draft_depth, float(temperature), float(top_p),
-                       tuple(int(t) for t in stop_tokens))
+                       tuple(int(t) for t in stop_tokens), float(draft_min_prob) if draft_depth else 0.0)
   prompt_BxP, lens_B = pad_prompts(prompts, pad_multiple)
   tokens_BxS, length_B, accept_BxI = jax.device_get(
       jit_generate(structure, leaves, prompt_BxP, lens_B, jax.random.key(seed), opts, draft_ids_U))

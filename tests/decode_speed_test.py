@@ -28,16 +28,21 @@ def _check_run(r: dict, depth: int) -> None:
 def test_tiny_quick(tmp_path):
   out = tmp_path / 'decode_speed.json'
   results = decode_speed.main(decode_speed.parse_args(
-      QUICK + ['--train_steps=20', '--depths=4,6', f'--out={out}']))
+      QUICK + ['--train_steps=20', '--depths=6', '--draft_min_prob=0,0.5', f'--out={out}']))
   saved = json.loads(out.read_text())
-  assert set(saved) >= {'model', 'num_heads', 'train_s', 'args', 'model_config', 'sets', 'meta'}
+  assert set(saved) >= {'model', 'num_heads', 'train_s', 'args', 'model_config', 'sets', 'meta', 'adaptive_effect'}
   assert saved['meta']['command'] and saved['meta']['date'].startswith('20')
   assert list(saved['sets']) == ['synthetic'] and list(saved['sets']['synthetic']) == ['b1']
-  for depth in (4, 6):  # depth 6 loops heads 1 and 2 again
-    r = saved['sets']['synthetic']['b1'][f'depth{depth}']
-    _check_run(r, depth)
-    assert r['new_tokens'] == 2 * 8  # no stop tokens in the tiny mode
-  assert results['sets']['synthetic']['b1']['depth4']['lossless'] is True
+  for key, p in (('depth6_mp0', 0.0), ('depth6_mp0.5', 0.5)):  # depth 6 loops heads 1 and 2 again
+    r = saved['sets']['synthetic']['b1'][key]
+    _check_run(r, 6)
+    assert r['new_tokens'] == 2 * 8 and r['draft_min_prob'] == p  # no stop tokens in the tiny mode
+    assert results['sets']['synthetic']['b1'][key]['lossless'] is True
+  effect = saved['adaptive_effect']['synthetic/b1/depth6']['0.5']
+  adaptive = saved['sets']['synthetic']['b1']['depth6_mp0.5']
+  assert effect['tokens_per_forward'] == adaptive['tokens_per_forward'] and effect['lossless'] is True
+  assert effect['spec_tokens_per_s_over_full'] == pytest.approx(
+      adaptive['spec_tokens_per_s'] / saved['sets']['synthetic']['b1']['depth6_mp0']['spec_tokens_per_s'])
 
 
 def test_parse_args_fills_per_model_defaults():
@@ -49,6 +54,10 @@ def test_parse_args_fills_per_model_defaults():
   assert real.out.endswith('results/decode_speed_smollm2.json')
   with pytest.raises(cli.InputError, match='--workdir needs a GGUF'):
     decode_speed.parse_args(['--workdir=somewhere'])  # a workdir needs a GGUF model
+  assert decode_speed.parse_args(['--draft_min_prob=0,0.25']).draft_min_prob == [0.0, 0.25]
+  for bad in ('0,1.5', 'x', '0.5,0.5'):
+    with pytest.raises(cli.InputError, match='--draft_min_prob'):
+      decode_speed.parse_args([f'--draft_min_prob={bad}'])
 
 
 @pytest.fixture(scope='module')

@@ -234,3 +234,55 @@ def test_speculative_sampling_with_a_draft_vocabulary_is_lossless(sampling_setup
   pvalue, impossible = _chi_square(model, prompt, law, draft_depth=2, seed=2,
                                    draft_vocab=np.array([0, 2, 3, 6]))
   assert pvalue > 1e-3 and impossible == 0
+
+
+def test_adaptive_depth_keeps_greedy_output_and_proposes_the_confident_prefix(models):
+  """draft_min_prob cuts each sequence's chain at its first depth whose head's top probability is
+  below it; what is emitted never changes, including drafts looped past K."""
+  prompts = _prompts()
+  for name, model in models.items():
+    plain = decode.generate(model, prompts, max_new_tokens=MAX_NEW, stop_tokens=STOP)
+    chain = decode.generate(model, prompts, max_new_tokens=MAX_NEW, draft_depth=3, stop_tokens=STOP)
+    for min_prob in (0.5, 0.9, 1.0):
+      spec = decode.generate(model, prompts, max_new_tokens=MAX_NEW, draft_depth=3, stop_tokens=STOP,
+                             draft_min_prob=min_prob)
+      for want, got in zip(plain.tokens, spec.tokens):
+        np.testing.assert_array_equal(got, want, err_msg=f'{name}, draft_min_prob={min_prob}')
+    if name == 'trained':  # the cut drafts were ones the chain would have had accepted, some of them
+      assert np.concatenate(spec.accept_lengths).sum() < np.concatenate(chain.accept_lengths).sum()
+  # The count of proposed drafts: the leading depths whose top probability reaches the threshold.
+  structure, leaves = decode.split(models['trained'])
+  prompt_BxP, lens_B = decode.pad_prompts(prompts)
+  opts = decode.DecodeOptions(MAX_NEW, 3, temperature=1.0, draft_min_prob=0.6)
+  st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
+                                                              jax.random.key(0), opts), opts, 2)
+  top_BxJ = np.asarray(jnp.max(sampling.probs(st.draft_logits_BxJxV, 1.0), axis=-1))
+  np.testing.assert_array_equal(st.num_drafts_B, np.cumprod(top_BxJ >= 0.6, axis=1).sum(1))
+  assert 0 < st.num_drafts_B.min() < 3 or 0 < st.num_drafts_B.max() < 3
+  with pytest.raises(ValueError, match='draft_min_prob=1.5'):
+    decode.generate(models['random'], prompts, max_new_tokens=2, draft_depth=1, draft_min_prob=1.5)
+
+
+def _drawn_draft_probability(logits_BxV, draft_B, opts):  # a broken rule: it reads the draw
+  p_BxV = sampling.probs(logits_BxV, opts.temperature or 1.0, opts.top_p)
+  return jnp.take_along_axis(p_BxV, draft_B[:, None], axis=-1)[:, 0]
+
+
+@pytest.mark.parametrize('broken', [False, True])
+def test_speculative_sampling_with_adaptive_depth_is_lossless_and_catches_a_draw_dependent_cut(
+    sampling_setup, broken, monkeypatch):
+  """Drafts past the confident prefix are not proposed: the token after them comes from p itself.
+  Cutting on the drawn draft's own probability instead biases the output, and the test sees it."""
+  model, prompt, law = sampling_setup
+  if broken:
+    monkeypatch.setattr(decode, 'draft_confidence', _drawn_draft_probability)
+  jax.clear_caches()  # the rule is traced into the compiled decoder
+  try:
+    pvalue, impossible = _chi_square(model, prompt, law, draft_depth=2, seed=3, draft_min_prob=0.4)
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+  if broken:
+    assert pvalue < 1e-6, 'the chi-square test misses a draw-dependent cut'
+  else:
+    assert pvalue > 1e-3 and impossible == 0

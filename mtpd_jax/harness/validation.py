@@ -231,6 +231,7 @@ FIELD_RULES: dict[str, Rule] = {
     'eval.draft_depth': integer(0),
     'eval.batch_size': integer(1),
     'eval.draft_vocab': integer(0, 'model.vocab_size'),
+    'eval.draft_min_prob': real(0, 1),
     'eval.repeats': integer(1),
     'eval.timing_steps': integer(1),
     'eval.timing_repeats': integer(1),
