@@ -134,7 +134,8 @@ def test_a_non_finite_step_stops_with_its_step_or_is_skipped(tmp_path, on_nan):
 
 @pytest.mark.slow
 def test_sigkill_at_several_steps_then_rerun_ends_bitwise_equal(tmp_path):
-  """Kill -9 mid-run three times; each rerun resumes; the end state and every step's loss match."""
+  """Kill -9 mid-run twice (the second time in a resumed run); each rerun resumes; the end state and
+  every step's loss match."""
   env = {**os.environ, 'JAX_NUM_CPU_DEVICES': '1'}
 
   def cmd(workdir):
@@ -144,7 +145,7 @@ def test_sigkill_at_several_steps_then_rerun_ends_bitwise_equal(tmp_path):
   reference = str(tmp_path / 'reference')
   subprocess.run(cmd(reference), cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
   killed = str(tmp_path / 'killed')
-  for kill_after in (9, 23, 40):   # steps logged before the kill; checkpoints land every 7 steps
+  for kill_after in (12, 33):   # steps logged before the kill; checkpoints land every 7 steps
     proc = subprocess.Popen(cmd(killed), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while (not _steps_logged(killed) or _steps_logged(killed)[-1] < kill_after) and time.monotonic() < deadline:
