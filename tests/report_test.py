@@ -89,6 +89,15 @@ def test_seeds_are_resampled_so_their_spread_widens_the_interval():
   assert report.paired_bootstrap(a_seeds[0][None], b[None])['ar1'] == report.paired_bootstrap(a_seeds[0], b)['ar1']
 
 
+def test_seed_interval_is_the_t_interval_of_the_mean_paired_difference():
+  d = report.seed_interval([0.01, 0.02, 0.03])
+  half = 4.302653 * 0.01 / np.sqrt(3)  # t(0.975, 2 degrees of freedom) · sd / sqrt(n)
+  assert d['diff'] == pytest.approx(0.02) and d['seeds'] == 3
+  assert (d['lo'], d['hi']) == pytest.approx((0.02 - half, 0.02 + half)) and d['verdict'] == 'inconclusive'
+  assert report.seed_interval([0.05, 0.06, 0.07])['verdict'] == 'higher'
+  assert report.seed_interval([0.05]) is None and report.seed_interval([0.05, None]) is None
+
+
 def _seeded_run(ar, car, acc1):
   run = _run(acc1=acc1)
   run['eval']['prompt_sets']['chat'].update(ar=ar, car=car)
@@ -110,8 +119,12 @@ def test_all_pools_the_prompt_sets_and_bars_carry_the_seed_spread(tmp_path):
   md = report.write(rows, [[], []], str(tmp_path), title='t', num_seeds=3, references={'MTP-D': 'MTP'})
   assert '3 seeds per row' in md and '37.50 ± 7.50' in md and '| MTP-D | MTP | all | 4 × 3 |' in md
   assert (tmp_path / 'acceptance.png').stat().st_size > 0
+  main = report.paired_differences(rows, {'MTP-D': 'MTP'})['MTP-D']['main']
+  assert main['heldout_acc']['diff'] == 0.0 and main['heldout_acc']['seeds'] == 3
+  assert '## The main head: paired differences over seeds' in md and '| MTP-D | MTP | 3 | +0.00 [+0.00, +0.00] inconclusive |' in md
   one = report.write([(label, runs[:1]) for label, runs in rows], [[], []], str(tmp_path), title='t', num_seeds=1)
   assert '±' not in one.replace('mean ± std', '') and 'no spread is shown' in one
+  assert 'The main head: paired differences' not in one  # one seed: no interval over seeds
 
 
 def test_a_point_names_its_reference_and_an_unknown_one_is_refused():

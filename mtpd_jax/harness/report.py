@@ -9,6 +9,7 @@ import json
 import os
 
 import numpy as np
+import scipy.stats
 
 
 def _mean_pm(values, scale: float = 1.0, digits: int = 2) -> str:
@@ -120,14 +121,37 @@ def paired_bootstrap(a, b, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -
   out = {'prompts': p, 'seeds': s}
   for i, key in enumerate(('ar1', 'tokens_per_forward')):
     lo, hi = np.percentile(boot_a[i] - boot_b[i], [2.5, 97.5])
-    out[key] = {'diff': float(full_a[i] - full_b[i]), 'lo': float(lo), 'hi': float(hi),
-                'verdict': 'higher' if lo > 0 else 'lower' if hi < 0 else 'inconclusive'}
+    out[key] = {'diff': float(full_a[i] - full_b[i]), 'lo': float(lo), 'hi': float(hi), 'verdict': _verdict(lo, hi)}
   return out
 
 
+def _verdict(lo: float, hi: float) -> str:
+  return 'higher' if lo > 0 else 'lower' if hi < 0 else 'inconclusive'
+
+
+def seed_interval(diffs) -> dict | None:
+  """The mean of per-seed paired differences and its 95% t-interval over the seeds (None below two):
+  for what is measured once per seed, such as the main head's held-out accuracy."""
+  d_S = np.asarray([x for x in diffs if x is not None and np.isfinite(x)], float)
+  if len(d_S) < 2:
+    return None
+  mean, half = float(d_S.mean()), float(scipy.stats.t.ppf(0.975, len(d_S) - 1) * d_S.std(ddof=1) / np.sqrt(len(d_S)))
+  return {'diff': mean, 'lo': mean - half, 'hi': mean + half, 'seeds': len(d_S), 'verdict': _verdict(mean - half, mean + half)}
+
+
+def _main_head(runs, ref_runs) -> dict:
+  """Seed-paired intervals of the main head's held-out accuracy and mean prompt-set accuracy."""
+  pairs = list(zip(_evals(runs), _evals(ref_runs)))
+  out = {'heldout_acc': seed_interval([a['heldout']['accuracy'] - b['heldout']['accuracy'] for a, b in pairs]),
+         'prompt_acc': seed_interval([(_set_mean(a, lambda p: p.get('main_accuracy')) or np.nan)
+                                      - (_set_mean(b, lambda p: p.get('main_accuracy')) or np.nan) for a, b in pairs])}
+  return {k: v for k, v in out.items() if v is not None}
+
+
 def paired_differences(rows, references: dict[str, str]) -> dict:
-  """{label: {'reference': ref, 'sets': {set: paired_bootstrap}}} for every row with a reference;
-  with several prompt sets, 'all' pools their prompts (one verdict per row).
+  """{label: {'reference': ref, 'sets': {set: paired_bootstrap}, 'main': {...}}} for every row with
+  a reference; with several prompt sets, 'all' pools their prompts (one verdict per row). 'main'
+  holds `seed_interval`s of the main head's accuracy (with two or more seeds).
 
   Seeds pair up by index (seed i of the row with seed i of its reference); `paired_bootstrap`
   resamples seeds and prompts.
@@ -149,7 +173,7 @@ def paired_differences(rows, references: dict[str, str]) -> dict:
     if len({a.shape[0] for a, _ in stacked.values()}) == 1 and len(stacked) > 1:  # the same seeds in every set
       sets['all'] = paired_bootstrap(*(np.concatenate(x, axis=1) for x in zip(*stacked.values())))
     if sets:
-      out[label] = {'reference': ref, 'sets': sets}
+      out[label] = {'reference': ref, 'sets': sets, 'main': _main_head(runs, by_label[ref])}
   return out
 
 
@@ -163,6 +187,21 @@ def paired_table(paired: dict) -> str:
       lines.append(f"| {label} | {entry['reference']} | {name} | {d['prompts']} × {d.get('seeds', 1)} | "
                    f"{100 * ar['diff']:+.2f} [{100 * ar['lo']:+.2f}, {100 * ar['hi']:+.2f}] | "
                    f"{tpf['diff']:+.3f} [{tpf['lo']:+.3f}, {tpf['hi']:+.3f}] | {ar['verdict']} |")
+  return '\n'.join(lines)
+
+
+def main_head_table(paired: dict) -> str:
+  """One line per row with seed-paired main-head intervals (empty without them)."""
+  rows = [(label, e) for label, e in paired.items() if e.get('main')]
+  if not rows:
+    return ''
+  cell = lambda d: '–' if d is None else f"{100 * d['diff']:+.2f} [{100 * d['lo']:+.2f}, {100 * d['hi']:+.2f}] {d['verdict']}"
+  lines = ['| variant | minus | seeds | held-out acc (points) [95% interval] | prompt-set acc (points) [95% interval] |',
+           '|---|---|---|---|---|']
+  for label, e in rows:
+    m = e['main']
+    seeds = next(iter(m.values()))['seeds']
+    lines.append(f"| {label} | {e['reference']} | {seeds} | {cell(m.get('heldout_acc'))} | {cell(m.get('prompt_acc'))} |")
   return '\n'.join(lines)
 
 
@@ -253,7 +292,11 @@ def write(rows, run_dirs, out_dir: str, *, title: str, num_seeds: int, reference
           f'percentile of the difference over {BOOTSTRAP_SAMPLES} resamples of the seeds and, within each, of '
           'the prompts; `all` pools the prompt sets. AR1 says whether the interval lies above zero (higher), '
           'below (lower) or holds zero (inconclusive).', '',
-          paired_table(paired), ''] if paired else []))
+          paired_table(paired), ''] if paired else []) + ([
+          '## The main head: paired differences over seeds', '',
+          "Seed i of a row minus seed i of its reference; the interval is the mean's 95% t-interval over "
+          'the seeds (the held-out and prompt-set accuracies are measured once per seed).', '',
+          main_head_table(paired), ''] if main_head_table(paired) else []))
   with open(os.path.join(out_dir, 'results.md'), 'w') as f:
     f.write(md)
   with open(os.path.join(out_dir, 'results.json'), 'w') as f:
