@@ -182,7 +182,7 @@ def test_the_quick_and_the_full_variant_follow_each_other_in_either_order(tmp_pa
   assert 'finished earlier' in run(':quick')  # again: resumes its own run, rewrites its own report...
   assert os.path.getmtime(quick_report) > 0
   assert snapshot(tmp_path / 'results' / 'mini') == full_report  # ...and leaves the full run's alone
-  run('', '--workdir=elsewhere')  # another workdir: its report lives with it
+  run(':quick', '--workdir=elsewhere')  # another workdir: its report lives with it (compiled already)
   assert (tmp_path / 'elsewhere' / 'report' / 'results.md').exists()
   assert snapshot(tmp_path / 'results' / 'mini') == full_report
 
