@@ -3,6 +3,7 @@
   python -m benchmarks.decode_speed [--train_steps=300] [--depths=4,8] [--batch_sizes=1]
   python -m benchmarks.decode_speed --model=smollm2 [--workdir=DIR] [--batch_sizes=1,8] [--draft_vocab=0,4096]
   python -m benchmarks.decode_speed --depths=4,8 --draft_min_prob=0,0.3,0.6
+  python -m benchmarks.decode_speed --depths=4 --tree=3,2,1,1
 
 --model=tiny (the default): a tiny model (8 layers, width 64) with K=4 heads is first trained for
 a few hundred steps on the learnable synthetic stream of mtpd_jax.data (arithmetic progressions
@@ -29,6 +30,10 @@ A list (`0,4096`) decodes every setting with each, side by side (keys `depthJ_dv
 probability is below p (lossless; the logits of depths no sequence reaches are skipped). A list
 (`0,0.5`) decodes every setting with each (keys `..._mpP`), and `adaptive_effect` gives each
 threshold's tokens/forward and tokens/s against the full chain's (0).
+
+--tree=b1,...,bJ also decodes each depth J equal to the tree's length with greedy tree drafts of
+that branching (keys `..._tree`; mtpd_jax/draft_tree.py), and `tree_effect` gives its acceptance
+length (accepted drafts per step) and tokens/s against the chain's.
 
 Prints name=value lines and writes benchmarks/results/decode_speed.json (a GGUF model:
 decode_speed_<name>.json), with the date and command.
@@ -239,6 +244,8 @@ flags.DEFINE_string('draft_vocab', '0', 'draft among the N most frequent trainin
                     'vocabulary); a list compares sizes side by side', flag_values=FLAGS)
 flags.DEFINE_string('draft_min_prob', '0', 'adaptive depth: stop drafting below this top probability (0 = '
                     'the full chain); a list compares thresholds side by side', flag_values=FLAGS)
+flags.DEFINE_string('tree', '', 'greedy tree drafts beside the chain: branching per depth, e.g. 3,2,1,1 '
+                    "('' = chains only)", flag_values=FLAGS)
 flags.DEFINE_integer('repeats', 3, 'timed passes (the best counts)', flag_values=FLAGS)
 flags.DEFINE_integer('timing_steps', None,
                      'steps of the per-step cost loops (tiny: 256, GGUF: 32)', flag_values=FLAGS)
@@ -272,6 +279,12 @@ def parse_args(argv=None) -> types.SimpleNamespace:
     raise cli.InputError(f'--draft_min_prob={args.draft_min_prob} must be a comma-separated list of numbers')
   if any(not 0 <= p <= 1 for p in args.draft_min_prob) or len(set(args.draft_min_prob)) != len(args.draft_min_prob):
     raise cli.InputError(f'--draft_min_prob={args.draft_min_prob} must be distinct numbers in [0, 1]')
+  try:
+    args.tree = tuple(int(b) for b in args.tree.split(',')) if args.tree else ()
+  except ValueError:
+    raise cli.InputError(f'--tree={args.tree} must be a comma-separated list of branchings')
+  if any(b < 1 for b in args.tree):
+    raise cli.InputError(f'--tree={args.tree} must be branchings >= 1')
   if args.out and not args.out.endswith('.json'):
     raise cli.InputError(f'--out={args.out} must name a .json file')
   if not args.out:
@@ -312,6 +325,21 @@ def adaptive_effect(sets: dict, keys: dict) -> dict:
   return out
 
 
+def tree_effect(sets: dict, keys: dict) -> dict:
+  """Per set, batch and chain: the tree's acceptance length and tokens/forward beside the chain's,
+  and its speculative tokens/s over the chain's (both decoded in this process)."""
+  out = {}
+  for name, by_batch in sets.items():
+    for b, runs in by_batch.items():
+      for chain, tree_key in keys.items():
+        c, t = runs[chain], runs[tree_key]
+        out[f'{name}/{b}/{chain}'] = {'accept_len': t['accept_len'], 'accept_len_chain': c['accept_len'],
+                                      'tokens_per_forward': t['tokens_per_forward'],
+                                      'spec_tokens_per_s_over_chain': t['spec_tokens_per_s'] / c['spec_tokens_per_s'],
+                                      'lossless': t['lossless']}
+  return out
+
+
 def _print(prefix: str, r: dict) -> None:
   for key in PRINTED:
     if key in r:
@@ -329,17 +357,24 @@ def main(args: types.SimpleNamespace) -> dict:
   batch_sizes = [int(b) for b in args.batch_sizes.split(',')]
   results = {'model': args.model, 'num_heads': model.cfg.num_mtp_heads, **info, 'args': vars(args),
              'model_config': dataclasses.asdict(model.cfg), 'sets': {}}
-  chains = {}  # key without the threshold -> {threshold: key}
+  chains, trees = {}, {}  # key without the threshold -> {threshold: key}; chain key -> its tree's key
   for name, prompts in sets.items():
     for b in batch_sizes:
-      for depth, (n, vocab), p in itertools.product(depths, vocabs.items(), args.draft_min_prob):
+      for depth, (n, vocab), p, tree in itertools.product(depths, vocabs.items(), args.draft_min_prob,
+                                                          ((), args.tree)):
+        if tree and len(tree) != depth:
+          continue
         chain = f'depth{depth}' + (f'_dv{n}' if len(vocabs) > 1 else '')
         key = chain + (f'_mp{p:g}' if len(args.draft_min_prob) > 1 else '')
-        chains.setdefault(chain, {})[p] = key
+        if tree:
+          trees[key] = key + '_tree'
+          key += '_tree'
+        else:
+          chains.setdefault(chain, {})[p] = key
         r = evaluate.evaluate_prompt_set(model, prompts, draft_depth=depth, max_new_tokens=args.max_new_tokens,
                                          batch_size=b, stop_tokens=stop, pad_multiple=pad, repeats=args.repeats,
                                          timing_steps=args.timing_steps, timing_repeats=args.timing_repeats,
-                                         draft_vocab=vocab, draft_min_prob=p)
+                                         draft_vocab=vocab, draft_min_prob=p, tree=tree)
         r['speedup_measured_over_analytic'] = r['speedup_measured'] / r['speedup_analytic']
         if b == 1:  # where the time goes: per step of the timed runs, prefill and calls included
           plain_s, spec_s = (r['new_tokens'] / r[f'{m}_tokens_per_s'] for m in ('plain', 'spec'))
@@ -360,6 +395,12 @@ def main(args: types.SimpleNamespace) -> dict:
         print(f"{where}/mp{p:g}/tokens_per_forward={e['tokens_per_forward']:.3f} (full chain "
               f"{e['tokens_per_forward_full']:.3f}) {where}/mp{p:g}/spec_tokens_per_s_over_full="
               f"{e['spec_tokens_per_s_over_full']:.3f} lossless={e['lossless']}")
+  if trees:
+    results['tree_effect'] = tree_effect(results['sets'], trees)
+    for where, e in results['tree_effect'].items():
+      print(f"{where}/tree{','.join(map(str, args.tree))}/accept_len={e['accept_len']:.3f} (chain "
+            f"{e['accept_len_chain']:.3f}) {where}/tree/spec_tokens_per_s_over_chain="
+            f"{e['spec_tokens_per_s_over_chain']:.3f} lossless={e['lossless']}")
   if gguf and args.hf:
     from benchmarks import hf_generate  # pylint: disable=import-outside-toplevel
     if 1 not in batch_sizes:

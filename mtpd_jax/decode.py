@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtpd_jax import sampling
+from mtpd_jax import draft_tree, sampling
 from mtpd_jax.model import Cache, ModelConfig, MTPTransformer, attention_mask, cache_mask, init_cache
 from mtpd_jax.shifts import shift_left
 
@@ -69,7 +69,11 @@ class DecodeOptions:
   temperature: float = 0.0        # 0 = greedy
   top_p: float = 1.0
   stop_tokens: tuple[int, ...] = ()
-  draft_min_prob: float = 0.0     # adaptive depth: stop drafting below this own probability (0 = always J)
+  draft_min_prob: float = 0.0     # adaptive depth: stop drafting below this top probability (0 = always J)
+  tree: tuple[int, ...] = ()      # greedy tree drafts: branching per depth (mtpd_jax/draft_tree.py); () = a chain
+
+  def __post_init__(self):
+    draft_tree.check(self.tree, self.draft_depth, self.temperature)
 
 
 class DecodeState(NamedTuple):
@@ -170,7 +174,9 @@ def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOp
       accept_BxI=jnp.full((b, opts.max_new_tokens), -1, jnp.int32),
       h0_BxSxD=jnp.zeros((b, s, cfg.dim), h_BxPxD.dtype).at[:, :p].set(h_BxPxD),
       head_caches=[init_cache(cfg, b, s, num_layers=1)[0] for _ in range(opts.draft_depth)])
-  return _draft(model, st, jnp.zeros_like(prompt_len_B), p, key_draft, opts, vocab)
+  if opts.tree:  # one row per path of the tree
+    st = draft_tree.tile(st, draft_tree.num_paths(opts.tree), b)
+  return _draft(model, st, jnp.zeros_like(st.length_B), p, key_draft, opts, vocab)
 
 
 def _draft(model: MTPTransformer, st: DecodeState, start_B, width: int, key, opts: DecodeOptions,
@@ -185,13 +191,17 @@ def _draft(model: MTPTransformer, st: DecodeState, start_B, width: int, key, opt
   head_caches, draft_logits = [], []
   drafting_B = jnp.ones(pending_B.shape, bool)  # adaptive depth: every depth so far was confident
   num_drafts_B = jnp.zeros_like(pending_B)
+  ranks_BxJ = None
+  if opts.tree:  # row b·P + p drafts path p
+    ranks_BxJ = jnp.tile(draft_tree.path_ranks(opts.tree), (pending_B.shape[0] // draft_tree.num_paths(opts.tree), 1))
   for j, key_j in zip(range(1, opts.draft_depth + 1), jax.random.split(key, opts.draft_depth)):
     # Depth j at window position i reads h^{j-1}_i and token i+j, and predicts token i+j+1.
     h_BxWxD, cache = model.mtp_head(head_for_depth(j, model.cfg.num_mtp_heads), h_BxWxD,
                                     _gather(tokens_BxS, pos_BxW + j), pos_BxW, mask_BxWxS,
                                     st.head_caches[j - 1])
     h_Bx1xD = _gather(h_BxWxD, last_Bx1)
-    choose = functools.partial(_choose_draft, model, vocab, opts, key_j)
+    choose = functools.partial(_choose_draft, model, vocab, opts, key_j,
+                               None if ranks_BxJ is None else (ranks_BxJ[:, j - 1], opts.tree[j - 1]))
     if opts.draft_min_prob and j > 1:  # skip the logits once no sequence drafts this deep
       v = model.cfg.vocab_size
       draft_B, logits_BxV = jax.lax.cond(jnp.any(drafting_B), choose, lambda h: (
@@ -219,14 +229,17 @@ def draft_confidence(logits_BxV, draft_B, opts: DecodeOptions):
   return jnp.max(sampling.probs(logits_BxV, opts.temperature or 1.0, opts.top_p), axis=-1)
 
 
-def _choose_draft(model: MTPTransformer, vocab: DraftVocab | None, opts: DecodeOptions, key, h_Bx1xD):
-  """A depth's draft token and its logits over V (-inf outside a draft vocabulary)."""
+def _choose_draft(model: MTPTransformer, vocab: DraftVocab | None, opts: DecodeOptions, key, ranks, h_Bx1xD):
+  """A depth's draft token and its logits over V (-inf outside a draft vocabulary). `ranks`: for a
+  tree, (each row's rank at this depth, the depth's branching); the row drafts that ranked token."""
+  pick = (lambda l: jnp.argmax(l, axis=-1)) if ranks is None else (lambda l: draft_tree.ranked(l, *ranks))
   if vocab is None:
-    draft_B, logits_BxV = None, model.logits(h_Bx1xD)[:, 0]
+    logits_BxV = model.logits(h_Bx1xD)[:, 0]
+    draft_B = None if opts.temperature else pick(logits_BxV).astype(jnp.int32)
   else:
     logits_BxU = model.logits(h_Bx1xD, vocab.w_DxU)[:, 0]
     # Greedy needs only the argmax; sampling, the full row with probability 0 outside the vocabulary.
-    draft_B = None if opts.temperature else vocab.ids_U[jnp.argmax(logits_BxU, axis=-1)]
+    draft_B = None if opts.temperature else vocab.ids_U[pick(logits_BxU)]
     logits_BxV = jnp.full(logits_BxU.shape[:1] + (model.cfg.vocab_size,), -jnp.inf,
                           logits_BxU.dtype).at[:, vocab.ids_U].set(logits_BxU)
   if draft_B is None:
@@ -249,6 +262,11 @@ def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
   else:
     accepted_B = jnp.zeros_like(st.length_B)
     next_B = sampling.choose(key_verify, logits_BxJ1xV[:, 0], opts.temperature, opts.top_p)
+  if opts.tree:  # every row of a sequence adopts the path that accepted the most
+    src_B = draft_tree.winners(accepted_B, draft_tree.num_paths(opts.tree))
+    accepted_B, next_B, tokens_BxJ1, logits_BxJ1xV, h_BxJ1xD = (
+        x[src_B] for x in (accepted_B, next_B, tokens_BxJ1, logits_BxJ1xV, h_BxJ1xD))
+    caches = draft_tree.adopt_slots(caches, src_B, pos_BxJ1)
   # Emit d_1..d_a, then the main head's token at index a.
   idx_J1 = jnp.arange(j + 1)
   emit_BxJ1 = jnp.where(idx_J1 == accepted_B[:, None], next_B[:, None], jnp.roll(tokens_BxJ1, -1, axis=1))
@@ -333,7 +351,8 @@ def jit_generate(structure: Structure, leaves, prompt_BxP, prompt_len_B, key, op
   st = prefill(model, prompt_BxP, prompt_len_B, key, opts, vocab)
   st = jax.lax.while_loop(lambda s: (s.step < opts.max_new_tokens) & ~jnp.all(s.done_B),
                           lambda s: step(model, s, opts, vocab), st)
-  return st.tokens_BxS, st.length_B, st.accept_BxI
+  first = slice(None, None, draft_tree.num_paths(opts.tree))  # a tree's rows of a sequence agree: keep one
+  return st.tokens_BxS[first], st.length_B[first], None if st.accept_BxI is None else st.accept_BxI[first]
 
 
 def pad_prompts(prompts, multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
@@ -372,14 +391,16 @@ def generate(model: MTPTransformer, prompts, **kwargs) -> Generation:
   heads), temperature (0 = greedy), top_p, stop_tokens, seed, pad_multiple, draft_vocab (token
   ids that drafts are chosen from, e.g. `frequent_tokens`; None = the whole vocabulary),
   draft_min_prob (adaptive depth: a sequence stops drafting at the first depth whose head's top
-  probability is below it; 0 = always draft_depth).
+  probability is below it; 0 = always draft_depth), tree (greedy tree drafts: the branching at each
+  of the draft_depth depths, e.g. (3, 2, 1, 1); `mtpd_jax/draft_tree.py`).
   """
   return generate_split(*split(model), prompts, **kwargs)
 
 
 def generate_split(structure: Structure, leaves, prompts, *, max_new_tokens: int, draft_depth: int = 0,
                    temperature: float = 0.0, top_p: float = 1.0, stop_tokens=(), seed: int = 0,
-                   pad_multiple: int = 16, draft_vocab=None, draft_min_prob: float = 0.0) -> Generation:
+                   pad_multiple: int = 16, draft_vocab=None, draft_min_prob: float = 0.0,
+                   tree=()) -> Generation:
   """`generate` for a model split once by `split(model)` (saves the split on every call)."""
   if max_new_tokens < 1:
     raise ValueError(f'max_new_tokens={max_new_tokens} must be >= 1')
@@ -387,7 +408,8 @@ def generate_split(structure: Structure, leaves, prompts, *, max_new_tokens: int
     raise ValueError(f'draft_min_prob={draft_min_prob} must lie in [0, 1]')
   draft_ids_U = None if draft_vocab is None or not draft_depth else check_draft_vocab(draft_vocab, structure)
   opts = DecodeOptions(max_new_tokens, draft_depth, float(temperature), float(top_p),
-                       tuple(int(t) for t in stop_tokens), float(draft_min_prob) if draft_depth else 0.0)
+                       tuple(int(t) for t in stop_tokens), float(draft_min_prob) if draft_depth else 0.0,
+                       tuple(int(b) for b in tree))
   prompt_BxP, lens_B = pad_prompts(prompts, pad_multiple)
   tokens_BxS, length_B, accept_BxI = jax.device_get(
       jit_generate(structure, leaves, prompt_BxP, lens_B, jax.random.key(seed), opts, draft_ids_U))

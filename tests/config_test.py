@@ -82,6 +82,8 @@ _COUNTED = set()  # model configs whose built parameter count was checked agains
     ('data.seq_len', 10 ** 5, 'data.seq_len=100000 must be an int in [1, model.max_seq_len=32]'),
     ('eval.draft_vocab', -1, 'eval.draft_vocab=-1 must be an int in [0, model.vocab_size='),
     ('eval.draft_vocab', 10 ** 6, 'eval.draft_vocab=1000000 must be an int in'),
+    ('eval.tree', (2, 0), 'eval.tree=(2, 0) must be a tuple of branchings >= 1'),
+    ('eval.tree', (2, 2), 'eval.tree=(2, 2) has 2 depths, but decoding drafts 4'),
     ('eval.draft_min_prob', 1.5, 'eval.draft_min_prob=1.5 must be a finite number in [0, 1]'),
 ])
 def test_bad_values_are_refused(field, value, message):

@@ -286,3 +286,53 @@ def test_speculative_sampling_with_adaptive_depth_is_lossless_and_catches_a_draw
     assert pvalue < 1e-6, 'the chi-square test misses a draw-dependent cut'
   else:
     assert pvalue > 1e-3 and impossible == 0
+
+
+@pytest.mark.parametrize('tree', [(2,), (3, 2), (2, 1, 2)])  # one depth, two, and three (past K=2: looped)
+def test_tree_greedy_equals_plain_greedy_and_accepts_at_least_the_chain(models, tree):
+  """Every path of the tree is verified as a chain and the longest accepted one is kept: the output
+  is plain greedy's, token for token, and a step accepts at least what the chain (path 0) would."""
+  prompts = _prompts()
+  for name, model in models.items():
+    plain = decode.generate(model, prompts, max_new_tokens=MAX_NEW, stop_tokens=STOP)
+    chain = decode.generate(model, prompts, max_new_tokens=MAX_NEW, draft_depth=len(tree), stop_tokens=STOP)
+    spec = decode.generate(model, prompts, max_new_tokens=MAX_NEW, draft_depth=len(tree), stop_tokens=STOP,
+                           tree=tree)
+    for b, (want, got) in enumerate(zip(plain.tokens, spec.tokens)):
+      np.testing.assert_array_equal(got, want, err_msg=f'{name} model, tree {tree}, prompt {b}')
+    # Path 0 is the chain, so from the same state (after prefill) the tree accepts at least as much.
+    assert all(t[0] >= c[0] for t, c in zip(spec.accept_lengths, chain.accept_lengths)), name
+    if name == 'trained':  # and over the whole run, more per step (0.61 -> 0.93 for (2,), 1.07 -> 2.0 for (2, 1, 2))
+      assert np.mean(np.concatenate(spec.accept_lengths)) > np.mean(np.concatenate(chain.accept_lengths)) + 0.2
+
+
+def test_a_tree_that_cannot_run_is_refused_in_one_line(models):
+  for kwargs, message in ((dict(draft_depth=2, tree=(2,)), 'for each of the draft_depth=2 depths'),
+                          (dict(draft_depth=1, tree=(0,)), 'branching >= 1'),
+                          (dict(draft_depth=1, tree=(2,), temperature=1.0), 'greedy only')):
+    with pytest.raises(ValueError, match=message):
+      decode.generate(models['random'], _prompts(), max_new_tokens=2, **kwargs)
+
+
+def test_every_path_row_holds_the_committed_tokens_caches(trained):
+  """After tree steps, every path's row of a sequence holds, at each committed position, the trunk
+  keys, values and hidden state that a teacher-forced pass over the committed tokens gives."""
+  structure, leaves = decode.split(trained)
+  prompt_BxP, lens_B = decode.pad_prompts(_prompts(), 16)
+  opts = decode.DecodeOptions(max_new_tokens=MAX_NEW, draft_depth=3, tree=(3, 1, 2))
+  st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
+                                                              jax.random.key(0), opts), opts, 4)
+  paths = 6
+  tokens_RxS, length_R = np.asarray(st.tokens_BxS), np.asarray(st.length_B)
+  assert (length_R.reshape(-1, paths) == length_R[::paths, None]).all()
+  committed_BxS = tokens_RxS[::paths, :length_R.max()]
+  ref = decode.jit_prefill(structure, leaves, committed_BxS, length_R[::paths],  # a chain prefill: it keeps h
+                           jax.random.key(0), decode.DecodeOptions(max_new_tokens=1, draft_depth=1))
+  for r in range(len(length_R)):
+    b, n = r // paths, length_R[r] - 1  # the trunk has run positions < the pending one
+    np.testing.assert_array_equal(tokens_RxS[r, :n + 1], tokens_RxS[b * paths, :n + 1])
+    for got, want in zip(st.caches, ref.caches):
+      for name in ('k', 'v'):
+        np.testing.assert_allclose(got[name][r, :, :n], want[name][b, :, :n], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(st.h0_BxSxD[r, :n], ref.h0_BxSxD[b, :n], atol=1e-4, rtol=1e-4)
+  assert (length_R[::paths] >= lens_B + 5).all()  # prefill and 4 steps each emitted

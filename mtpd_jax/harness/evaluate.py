@@ -109,18 +109,21 @@ def teacher_forced(model: MTPTransformer, prompts, continuations, draft_depth: i
 def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max_new_tokens: int,
                         batch_size: int = 8, stop_tokens=(), pad_multiple: int = 64,
                         repeats: int = 3, timing_steps: int = 256, timing_repeats: int = 5,
-                        draft_vocab=None, draft_min_prob: float = 0.0) -> dict:
+                        draft_vocab=None, draft_min_prob: float = 0.0, tree=()) -> dict:
   """Greedy speculative vs plain decoding of one prompt set: acceptance, speedups, losslessness.
 
   `draft_vocab`: token ids that the drafts are chosen from (`frequent_tokens`); None = all.
   `draft_min_prob`: adaptive depth (`decode.generate`); `ar`/`car` then count a draft that was
   not proposed as not accepted, so they describe the decoder, not the heads (`tf_ar` does).
+  `tree`: greedy tree drafts (`decode.generate`); `ar`/`car` and `accept_len` are then those of
+  the path each step kept.
   """
+  tree = tuple(int(b) for b in tree)
   stop = tuple(int(t) for t in stop_tokens)
   runs = timed_decode(model, prompts, {'plain': dict(max_new_tokens=max_new_tokens, stop_tokens=stop),
                                        'spec': dict(max_new_tokens=max_new_tokens, stop_tokens=stop,
                                                     draft_depth=draft_depth, draft_vocab=draft_vocab,
-                                                    draft_min_prob=draft_min_prob)},
+                                                    draft_min_prob=draft_min_prob, tree=tree)},
                       batch_size=batch_size, pad_multiple=pad_multiple, repeats=repeats)
   (plain, plain_s), (spec, spec_s) = runs['plain'], runs['spec']
   stats = metrics.acceptance_stats(np.concatenate(spec.accept_lengths), draft_depth)
@@ -128,7 +131,7 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max
   costs = step_seconds(model, next(_batches(prompts, batch_size))[1],
                        {'plain': decode.DecodeOptions(max_new_tokens, 0, stop_tokens=stop),
                         'spec': decode.DecodeOptions(max_new_tokens, draft_depth, stop_tokens=stop,
-                                                     draft_min_prob=draft_min_prob)},
+                                                     draft_min_prob=draft_min_prob, tree=tree)},
                        pad_multiple=pad_multiple, num_steps=timing_steps, repeats=timing_repeats,
                        draft_vocabs={'spec': draft_vocab})
   plain_step, spec_step = costs['plain'], costs['spec']
@@ -138,7 +141,7 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max
       **stats,
       'draft_depth': draft_depth,
       'draft_vocab': 0 if draft_vocab is None else len(draft_vocab),
-      'draft_min_prob': draft_min_prob,
+      'draft_min_prob': draft_min_prob, 'tree': list(tree),
       'lossless': all(np.array_equal(a, b) for a, b in zip(plain.tokens, spec.tokens)),
       'prompts': len(prompts), 'new_tokens': spec_tokens,
       'plain_tokens_per_s': plain_tps, 'spec_tokens_per_s': spec_tps,

@@ -132,7 +132,7 @@ def _evaluate_workdir(workdir, draft_depth, *, write, defaults):
                                             repeats=e.repeats, timing_steps=e.timing_steps,
                                             timing_repeats=e.timing_repeats,
                                             draft_vocab=draft_vocab(config) if e.get('draft_vocab', 0) else None,
-                                            draft_min_prob=e.get('draft_min_prob', 0.0))
+                                            draft_min_prob=e.get('draft_min_prob', 0.0), tree=tuple(e.get('tree', ())))
     for name, prompts in sets.items():  # the main head's own quality on each set (Table 2's left half)
       main = evaluate.heldout_metrics(model, evaluate.prompt_batches(prompts, e.batch_size))
       results[name].update(main_accuracy=main['accuracy'], main_loss=main['loss'])

@@ -118,6 +118,12 @@ def _increasing_heads(v, c):
   return None if ok else 'increasing head counts starting at >= 1, e.g. (1, 2, 4, 8), or ()'
 
 
+def _tree(v, c):
+  v = tuple(v) if isinstance(v, (list, tuple)) else v
+  ok = isinstance(v, tuple) and all(_is_int(n) and n >= 1 for n in v)
+  return None if ok else 'a tuple of branchings >= 1, one per draft depth, e.g. (3, 2, 1, 1), or ()'
+
+
 def _mesh_shape(v, c):
   ok = isinstance(v, (list, tuple)) and v and all(_is_int(n) and (n >= 1 or n == -1) for n in v) and (
       list(v).count(-1) <= 1)
@@ -232,6 +238,7 @@ FIELD_RULES: dict[str, Rule] = {
     'eval.batch_size': integer(1),
     'eval.draft_vocab': integer(0, 'model.vocab_size'),
     'eval.draft_min_prob': real(0, 1),
+    'eval.tree': Rule('() | branchings >= 1, one per draft depth', _tree),
     'eval.repeats': integer(1),
     'eval.timing_steps': integer(1),
     'eval.timing_repeats': integer(1),
@@ -297,6 +304,9 @@ def _check_cross_fields(config: ml_collections.ConfigDict) -> None:
   heads = tuple(config.looped.schedule)[-1] if config.looped.schedule else k
   if e.enabled and e.draft_depth and not heads:
     raise ValueError(f'eval.draft_depth={e.draft_depth} drafts with MTP heads, but mtp.num_heads=0')
+  if e.tree and len(e.tree) != (e.draft_depth or heads):
+    raise ValueError(f'eval.tree={tuple(e.tree)} has {len(e.tree)} depths, but decoding drafts '
+                     f'{e.draft_depth or heads} (eval.draft_depth, or the number of heads)')
 
 
 def check_decoding_fits(config: ml_collections.ConfigDict) -> None:
