@@ -42,6 +42,10 @@ itself): the output is unchanged, greedy or sampled. Every depth still re-runs i
 cache scheme needs it), but the logits of a depth where no sequence of the batch still drafts,
 the largest part of a depth's cost at a large vocabulary, are skipped.
 
+Tree drafts (`tree`, greedy; mtpd_jax/draft_tree.py): each sequence runs as one batch row per
+root-to-leaf path, every row a chain as above; after verification all rows of a sequence adopt
+the path that accepted the most.
+
 Slots past a sequence's own window may hold stale drafts or prompt padding (ragged batches run
 on padded prompts at per-sequence positions); they are never visible, because every call writes
 the slots of all positions it queries and a query sees only slots <= its position.
@@ -73,6 +77,8 @@ class DecodeOptions:
   tree: tuple[int, ...] = ()      # greedy tree drafts: branching per depth (mtpd_jax/draft_tree.py); () = a chain
 
   def __post_init__(self):
+    if not 0.0 <= self.draft_min_prob <= 1.0:
+      raise ValueError(f'draft_min_prob={self.draft_min_prob} must lie in [0, 1]')
     draft_tree.check(self.tree, self.draft_depth, self.temperature)
 
 
@@ -404,8 +410,6 @@ def generate_split(structure: Structure, leaves, prompts, *, max_new_tokens: int
   """`generate` for a model split once by `split(model)` (saves the split on every call)."""
   if max_new_tokens < 1:
     raise ValueError(f'max_new_tokens={max_new_tokens} must be >= 1')
-  if not 0.0 <= draft_min_prob <= 1.0:
-    raise ValueError(f'draft_min_prob={draft_min_prob} must lie in [0, 1]')
   draft_ids_U = None if draft_vocab is None or not draft_depth else check_draft_vocab(draft_vocab, structure)
   opts = DecodeOptions(max_new_tokens, draft_depth, float(temperature), float(top_p),
                        tuple(int(t) for t in stop_tokens), float(draft_min_prob) if draft_depth else 0.0,
