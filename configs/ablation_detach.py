@@ -11,5 +11,6 @@ def get_sweep():
   return [
       {'label': 'MTP', 'distill.enabled': False},
       {'label': 'MTP-D (detach)', 'distill.detach': True},
-      {'label': 'no detach', 'distill.detach': False, 'train.loss_chunk_rows': 0},  # the fused loss needs detach
+      {'label': 'no detach', 'distill.detach': False, 'train.loss_chunk_rows': 0,  # the fused loss needs detach
+       'reference': 'MTP-D (detach)'},
   ]

@@ -27,5 +27,5 @@ def get_sweep():
       {'label': 'MTP-D*, 1 to 8 (training-free)', 'eval.draft_depth': 8,
        'reference': 'MTP*, 1 to 8 (training-free)'},
       {'label': 'MTP, 1 to 8 (trained)', 'distill.enabled': False, **trained},
-      {'label': 'MTP-D, 1 to 8 (trained)', **trained},
+      {'label': 'MTP-D, 1 to 8 (trained)', **trained, 'reference': 'MTP, 1 to 8 (trained)'},
   ]
