@@ -17,12 +17,12 @@ def get_config(arg: str = ''):
 
 def get_sweep():
   rows = []
-  for k in (1, 4):
-    ref = f'MTP-D (KL), K={k}'
+  for k in (1, 4):  # paired differences: KL against MTP, TV and JS against KL, at the same K
+    mtp, kl = f'MTP, K={k}', f'MTP-D (KL), K={k}'
     rows += [
-        {'label': f'MTP, K={k}', 'mtp.num_heads': k, 'distill.enabled': False, 'reference': ref},
-        {'label': ref, 'mtp.num_heads': k, 'distill.divergence': 'kl'},
-        {'label': f'TV, K={k}', 'mtp.num_heads': k, 'distill.divergence': 'tv', 'reference': ref},
-        {'label': f'JS, K={k}', 'mtp.num_heads': k, 'distill.divergence': 'js', 'reference': ref},
+        {'label': mtp, 'mtp.num_heads': k, 'distill.enabled': False, 'reference': mtp},  # none
+        {'label': kl, 'mtp.num_heads': k, 'distill.divergence': 'kl', 'reference': mtp},
+        {'label': f'TV, K={k}', 'mtp.num_heads': k, 'distill.divergence': 'tv', 'reference': kl},
+        {'label': f'JS, K={k}', 'mtp.num_heads': k, 'distill.divergence': 'js', 'reference': kl},
     ]
   return rows
