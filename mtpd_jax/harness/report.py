@@ -232,7 +232,7 @@ def plot_acceptance(rows, path: str) -> None:
   depth = depth_of(rows)
   plt = _plt()
   width = 0.8 / max(len(rows), 1)
-  fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 1.1 * depth + 0.25 * len(rows) + 3), 7), sharex=True)
+  fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 1.1 * depth + 0.25 * len(rows) + 3) + 2.5, 7), sharex=True)
   for ax, key, title in zip(axes, ('ar', 'car'), ('AR (conditional) %', 'CAR (cumulative) %')):
     mean_RxK, spread_RxK = head_bars(rows, key)
     for i, (label, _) in enumerate(rows):
@@ -241,7 +241,7 @@ def plot_acceptance(rows, path: str) -> None:
     ax.set(title=title, ylim=(0, 100), xticks=range(1, depth + 1))
     ax.grid(alpha=0.3, axis='y')
   axes[1].set_xlabel('draft depth (head)')
-  axes[0].legend(fontsize=7, ncol=2 if len(rows) > 4 else 1)
+  axes[0].legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))  # beside the bars, not on them
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
