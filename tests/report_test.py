@@ -66,7 +66,7 @@ def test_rows_pair_with_their_reference_and_old_results_without_counts_are_skipp
   assert list(paired) == ['MTP-D'] and paired['MTP-D']['reference'] == 'MTP'
   assert paired['MTP-D']['sets']['chat']['ar1']['diff'] == pytest.approx(0.4)
   table = report.paired_table(paired)
-  assert '| MTP-D | MTP | chat | 2 × 1 | +40.00 [' in table
+  assert '| MTP-D | MTP | chat | 2 × 1 | +40.00 [+40.00, +40.00] | +40.0 |' in table
   md = report.write(rows, [[], [], []], str(tmp_path), title='t', num_seeds=1, references=refs)
   assert '## Paired differences from a reference row' in md
   saved = json.loads((tmp_path / 'results.json').read_text())
@@ -83,6 +83,7 @@ def test_seeds_are_resampled_so_their_spread_widens_the_interval():
   two_level = report.paired_bootstrap(np.stack(a_seeds), np.stack([b] * 3))
   assert two_level['seeds'] == 3 and two_level['prompts'] == 64
   assert two_level['ar1']['diff'] == pytest.approx(pooled['diff'])
+  np.testing.assert_allclose(two_level['ar1_per_seed'], [0.2, -0.1, 0.2], atol=0.01)
   assert pooled['verdict'] == 'higher'  # prompts alone: every prompt gains on average
   assert two_level['ar1']['lo'] < 0 < two_level['ar1']['hi'] and two_level['ar1']['verdict'] == 'inconclusive'
   # One seed: the two-level resample is the prompt bootstrap, to the last bit.

@@ -118,7 +118,9 @@ def paired_bootstrap(a, b, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -
     return sums[..., 1] / sums[..., 0], 1.0 + sums[..., 2] / sums[..., 0]
   full_a, full_b = rates(np.ones((s, p)), a_SxPx3), rates(np.ones((s, p)), b_SxPx3)
   boot_a, boot_b = rates(weight_ZxSxP, a_SxPx3), rates(weight_ZxSxP, b_SxPx3)
-  out = {'prompts': p, 'seeds': s}
+  one_SxS = np.eye(s)[:, :, None] * np.ones(p)  # seed s alone
+  per_seed = rates(one_SxS, a_SxPx3)[0] - rates(one_SxS, b_SxPx3)[0]
+  out = {'prompts': p, 'seeds': s, 'ar1_per_seed': [float(x) for x in per_seed]}
   for i, key in enumerate(('ar1', 'tokens_per_forward')):
     lo, hi = np.percentile(boot_a[i] - boot_b[i], [2.5, 97.5])
     out[key] = {'diff': float(full_a[i] - full_b[i]), 'lo': float(lo), 'hi': float(hi), 'verdict': _verdict(lo, hi)}
@@ -179,13 +181,14 @@ def paired_differences(rows, references: dict[str, str]) -> dict:
 
 def paired_table(paired: dict) -> str:
   """One line per (row, prompt set): the differences from the reference row and their intervals."""
-  lines = ['| variant | minus | set | prompts × seeds | AR1 (points) [95% interval] | tokens/fwd [95% interval] | AR1 |',
-           '|---|---|---|---|---|---|---|']
+  lines = ['| variant | minus | set | prompts × seeds | AR1 (points) [95% interval] | AR1 per seed | '
+           'tokens/fwd [95% interval] | AR1 |', '|---|---|---|---|---|---|---|---|']
   for label, entry in paired.items():
     for name, d in entry['sets'].items():
       ar, tpf = d['ar1'], d['tokens_per_forward']
+      per_seed = ', '.join(f'{100 * x:+.1f}' for x in d.get('ar1_per_seed', ()))
       lines.append(f"| {label} | {entry['reference']} | {name} | {d['prompts']} × {d.get('seeds', 1)} | "
-                   f"{100 * ar['diff']:+.2f} [{100 * ar['lo']:+.2f}, {100 * ar['hi']:+.2f}] | "
+                   f"{100 * ar['diff']:+.2f} [{100 * ar['lo']:+.2f}, {100 * ar['hi']:+.2f}] | {per_seed} | "
                    f"{tpf['diff']:+.3f} [{tpf['lo']:+.3f}, {tpf['hi']:+.3f}] | {ar['verdict']} |")
   return '\n'.join(lines)
 
