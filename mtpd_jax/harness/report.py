@@ -118,8 +118,8 @@ def paired_bootstrap(a, b, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -
     return sums[..., 1] / sums[..., 0], 1.0 + sums[..., 2] / sums[..., 0]
   full_a, full_b = rates(np.ones((s, p)), a_SxPx3), rates(np.ones((s, p)), b_SxPx3)
   boot_a, boot_b = rates(weight_ZxSxP, a_SxPx3), rates(weight_ZxSxP, b_SxPx3)
-  one_SxS = np.eye(s)[:, :, None] * np.ones(p)  # seed s alone
-  per_seed = rates(one_SxS, a_SxPx3)[0] - rates(one_SxS, b_SxPx3)[0]
+  ar1_S = lambda x: x[..., 1].sum(axis=1) / x[..., 0].sum(axis=1)  # each seed's pooled AR1
+  per_seed = ar1_S(a_SxPx3) - ar1_S(b_SxPx3)
   out = {'prompts': p, 'seeds': s, 'ar1_per_seed': [float(x) for x in per_seed]}
   for i, key in enumerate(('ar1', 'tokens_per_forward')):
     lo, hi = np.percentile(boot_a[i] - boot_b[i], [2.5, 97.5])
@@ -280,6 +280,7 @@ def write(rows, run_dirs, out_dir: str, *, title: str, num_seeds: int, reference
   """
   os.makedirs(out_dir, exist_ok=True)
   paired = paired_differences(rows, references or {})
+  main_md = main_head_table(paired)
   md = '\n'.join([
       f'# {title}', '',
       (f'{num_seeds} seeds per row: each cell is mean ± std over them. ' if num_seeds > 1 else
@@ -299,7 +300,7 @@ def write(rows, run_dirs, out_dir: str, *, title: str, num_seeds: int, reference
           '## The main head: paired differences over seeds', '',
           "Seed i of a row minus seed i of its reference; the interval is the mean's 95% t-interval over "
           'the seeds (the held-out and prompt-set accuracies are measured once per seed).', '',
-          main_head_table(paired), ''] if main_head_table(paired) else []))
+          main_md, ''] if main_md else []))
   with open(os.path.join(out_dir, 'results.md'), 'w') as f:
     f.write(md)
   with open(os.path.join(out_dir, 'results.json'), 'w') as f:
