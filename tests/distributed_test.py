@@ -121,8 +121,8 @@ LOAD_STRETCH = 3  # timeouts under load stretch by this much: they guard against
 def cpu_load():
   """One busy process per core, as on a CI machine shared with other jobs, where the processes of
   a pair drift apart (the stop must still be one step on both). An idle machine is the easier case
-  of the same test, so only the loaded one runs; the load ends with the stop, since the rerun that
-  checks it needs none."""
+  of the same test, so only the loaded one runs. The load spans the steps around the stop, not the
+  start-up or the rerun that checks it, so the tests beside it in the suite lose little time."""
   hogs = [subprocess.Popen([sys.executable, '-c', 'while True: pass']) for _ in range(os.cpu_count() or 2)]
   try:
     yield
@@ -137,17 +137,22 @@ def cpu_load():
 def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpoint_and_a_rerun_resumes(tmp_path):
   steps, multi, single = 20, tmp_path / 'multi', tmp_path / 'single'
   timeout_s = TIMEOUT_S * LOAD_STRETCH
-  with cpu_load():
-    procs = _pair(tmp_path, 'first', multi, steps)
-    metrics, deadline = multi / 'metrics.jsonl', time.monotonic() + timeout_s
-    try:  # SIGTERM to process 1 only, once a few steps are logged
-      while not (metrics.exists() and metrics.read_text().count('train/loss') >= 3):
-        assert time.monotonic() < deadline and all(p.poll() is None for _, p, _ in procs), 'pair did not start'
-        time.sleep(0.1)
+  procs = _pair(tmp_path, 'first', multi, steps)
+  metrics, deadline = multi / 'metrics.jsonl', time.monotonic() + timeout_s
+
+  def wait_for_logged_steps(n: int) -> None:
+    while not (metrics.exists() and metrics.read_text().count('train/loss') >= n):
+      assert time.monotonic() < deadline and all(p.poll() is None for _, p, _ in procs), 'pair did not start'
+      time.sleep(0.1)
+
+  try:
+    wait_for_logged_steps(1)  # compiled and training: the load starts here, so it spans the stop only
+    with cpu_load():
+      wait_for_logged_steps(3)  # SIGTERM to process 1 only, once a few steps are logged
       procs[1][1].send_signal(signal.SIGTERM)
       codes = [p.wait(timeout=timeout_s) for _, p, _ in procs]
-    finally:
-      _kill(procs)
+  finally:
+    _kill(procs)
   assert codes == [128 + signal.SIGTERM] * 2, [log.read_text()[-2000:] for _, _, log in procs]
   stopped = {re.search(r'after step (\d+); checkpoint saved', log.read_text()).group(1) for _, _, log in procs}
   assert len(stopped) == 1, stopped  # both processes stopped after the same step...
