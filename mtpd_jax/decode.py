@@ -42,9 +42,10 @@ itself): the output is unchanged, greedy or sampled. Every depth still re-runs i
 cache scheme needs it), but the logits of a depth where no sequence of the batch still drafts,
 the largest part of a depth's cost at a large vocabulary, are skipped.
 
-Tree drafts (`tree`, greedy; mtpd_jax/draft_tree.py): each sequence runs as one batch row per
-root-to-leaf path, every row a chain as above; after verification all rows of a sequence adopt
-the path that accepted the most.
+Tree drafts (`tree`, greedy; mtpd_jax/draft_tree.py): each sequence drafts as one batch row per
+root-to-leaf path, every row a chain as above; one tree attention pass of the trunk verifies the
+distinct nodes (one trunk cache per sequence), and all rows of a sequence adopt the path that
+accepted the most, whose cache slots are compacted into a chain's places.
 
 Slots past a sequence's own window may hold stale drafts or prompt padding (ragged batches run
 on padded prompts at per-sequence positions); they are never visible, because every call writes
@@ -90,7 +91,7 @@ class DecodeState(NamedTuple):
   done_B: jax.Array               # stop token or max_new_tokens reached
   step: jax.Array                 # decoding steps taken (prefill excluded)
   key: jax.Array
-  caches: list[Cache]             # trunk, valid for positions < length-1
+  caches: list[Cache]             # trunk, valid for positions < length-1 (a tree: one row per sequence)
   logits_BxV: jax.Array           # main logits at length-2, from which the pending token was chosen
   accept_BxI: jax.Array | None = None          # accepted drafts at step i; -1 when not active
   h0_BxSxD: jax.Array | None = None            # trunk hidden states by position
@@ -122,8 +123,9 @@ def head_for_depth(j: int, num_heads: int) -> int:
 
 
 def cache_len(prompt_len: int, opts: DecodeOptions) -> int:
-  """Cache slots: the padded prompt, max_new_tokens and the deepest verified draft."""
-  return prompt_len + opts.max_new_tokens + opts.draft_depth + 1
+  """Cache slots: the padded prompt, max_new_tokens and one verify call's tokens (a chain's pending
+  token and drafts, or a tree's nodes)."""
+  return prompt_len + opts.max_new_tokens + (draft_tree.num_nodes(opts.tree) if opts.tree else opts.draft_depth + 1)
 
 
 def _gather(x_BxS, pos_BxW):
@@ -180,8 +182,8 @@ def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOp
       accept_BxI=jnp.full((b, opts.max_new_tokens), -1, jnp.int32),
       h0_BxSxD=jnp.zeros((b, s, cfg.dim), h_BxPxD.dtype).at[:, :p].set(h_BxPxD),
       head_caches=[init_cache(cfg, b, s, num_layers=1)[0] for _ in range(opts.draft_depth)])
-  if opts.tree:  # one row per path of the tree
-    st = draft_tree.tile(st, draft_tree.num_paths(opts.tree), b)
+  if opts.tree:  # one row per path of the tree; the trunk caches stay one per sequence
+    st = draft_tree.tile(st._replace(caches=None), draft_tree.num_paths(opts.tree), b)._replace(caches=st.caches)
   return _draft(model, st, jnp.zeros_like(st.length_B), p, key_draft, opts, vocab)
 
 
@@ -258,9 +260,13 @@ def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
   """One plain decoding step, or one speculative verify + draft step when opts.draft_depth > 0."""
   j, s = opts.draft_depth, st.tokens_BxS.shape[1]
   pos_BxJ1 = (st.length_B - 1)[:, None] + jnp.arange(j + 1)  # the pending token, then the drafts
-  tokens_BxJ1 = _gather(st.tokens_BxS, pos_BxJ1)
-  h_BxJ1xD, caches = model.trunk(tokens_BxJ1, pos_BxJ1, cache_mask(pos_BxJ1, s), st.caches)
-  logits_BxJ1xV = model.logits(h_BxJ1xD)
+  if opts.tree:  # one tree attention pass; each row (path) gets its own chain's view of it
+    tokens_BxJ1, h_BxJ1xD, logits_BxJ1xV, caches = draft_tree.verify_pass(model, st.tokens_BxS, st.length_B,
+                                                                           st.caches, opts.tree)
+  else:
+    tokens_BxJ1 = _gather(st.tokens_BxS, pos_BxJ1)
+    h_BxJ1xD, caches = model.trunk(tokens_BxJ1, pos_BxJ1, cache_mask(pos_BxJ1, s), st.caches)
+    logits_BxJ1xV = model.logits(h_BxJ1xD)
   key, key_verify, key_draft = jax.random.split(st.key, 3)
   if j:
     accepted_B, next_B = sampling.verify(key_verify, tokens_BxJ1[:, 1:], st.draft_logits_BxJxV,
@@ -272,7 +278,7 @@ def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
     src_B = draft_tree.winners(accepted_B, draft_tree.num_paths(opts.tree))
     accepted_B, next_B, tokens_BxJ1, logits_BxJ1xV, h_BxJ1xD = (
         x[src_B] for x in (accepted_B, next_B, tokens_BxJ1, logits_BxJ1xV, h_BxJ1xD))
-    caches = draft_tree.adopt_slots(caches, src_B, pos_BxJ1)
+    caches = draft_tree.keep_path(caches, st.length_B, src_B, opts.tree)
   # Emit d_1..d_a, then the main head's token at index a.
   idx_J1 = jnp.arange(j + 1)
   emit_BxJ1 = jnp.where(idx_J1 == accepted_B[:, None], next_B[:, None], jnp.roll(tokens_BxJ1, -1, axis=1))

@@ -1,22 +1,19 @@
-"""Tree drafts as batched paths: the bookkeeping that `decode` uses when `DecodeOptions.tree` is set.
+"""Tree drafts: the bookkeeping that `decode` uses when `DecodeOptions.tree` is set (docs/design.md).
 
 A static tree of branching (b_1, ..., b_J) has P = Π b_j root-to-leaf paths. Path p takes, at
 depth j, the token of rank r_pj (0 = argmax) of its own depth-j draft logits, which are the
 head's logits on the path's own earlier drafts (the chain's semantics, so paths that share a
-prefix draft the same tokens along it). Each sequence of the batch runs as P rows, one per path
-(row b·P + p): every row drafts and is verified exactly as a chain, all P in the same trunk and
-head calls. After verification each sequence keeps the path that accepted the most drafts
-(the first on ties) and every one of its rows adopts that path's result: the accepted tokens,
-the main logits, the trunk's hidden states and the trunk cache slots just written. The rows'
-per-depth head caches need no copy: the next draft pass rewrites every slot that was not final
-(docs/design.md, "Decoding cost").
+prefix draft the same tokens along it: the tree has N = `num_nodes` distinct nodes, the pending
+token and the drafts). Drafting runs each sequence as P rows, one per path (row b·P + p), each a
+chain in the same head calls. Verifying is one trunk call over the N nodes of each sequence with
+a tree attention mask (`verify_pass`), one trunk cache per sequence; each path reads its nodes'
+logits as a chain verify call would give them. The sequence keeps the path that accepted the
+most drafts (the first on ties): every row adopts its tokens, logits and hidden states, and the
+trunk cache its nodes' slots (`keep_path`). The rows' per-depth head caches need no copy: the
+next draft pass rewrites every slot that was not final.
 
 Greedy only: a sampled tree needs a multi-candidate acceptance rule (recursive rejection sampling
 over siblings), which is not implemented, so `DecodeOptions` refuses temperature > 0 with a tree.
-Compared with one tree attention pass over the distinct nodes, batched paths compute shared
-prefixes once per path and keep a trunk cache per path: simple and exact, at P times the chain's
-compute (on an accelerator at batch 1, where a step reads the weights once for all rows, that is
-the cheap direction).
 """
 
 import itertools
@@ -49,6 +46,36 @@ def path_ranks(tree: tuple[int, ...]) -> np.ndarray:
   return np.array(list(itertools.product(*(range(b) for b in tree))), np.int32).reshape(-1, len(tree))
 
 
+def path_nodes(tree: tuple[int, ...]) -> np.ndarray:
+  """[P, J+1]: the tree node that path p passes at depth j = 0..J. Node 0 is the root (the pending
+  token); then come the nodes of depth 1, of depth 2, ..., each depth in lexicographic order of the
+  ranks that lead to it, so paths sharing their first j ranks share their depth-j node."""
+  sizes = np.cumprod(tree)                                   # nodes at depths 1..J
+  offsets = np.concatenate([[1], 1 + np.cumsum(sizes)[:-1]])  # each depth's first node
+  below = num_paths(tree) // sizes                           # paths under one node of each depth
+  p_P = np.arange(num_paths(tree))
+  nodes_PxJ = offsets[None, :] + p_P[:, None] // below[None, :]
+  return np.concatenate([np.zeros((len(p_P), 1), np.int64), nodes_PxJ], axis=1).astype(np.int32)
+
+
+def num_nodes(tree: tuple[int, ...]) -> int:
+  """N: the root and every distinct draft of the tree, the tokens one tree attention pass verifies."""
+  return 1 + int(np.cumprod(tree).sum())
+
+
+def node_table(tree: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(depth_N, path_N, ancestor_NxN): each node's depth, the first path through it (whose row
+  drafted its token) and which nodes it sees in the tree attention pass: itself and its ancestors."""
+  nodes_PxJ1 = path_nodes(tree)
+  n = num_nodes(tree)
+  depth_N, path_N, ancestor_NxN = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros((n, n), bool)
+  for p in reversed(range(len(nodes_PxJ1))):  # reversed: the first path through a node writes last
+    for j, node in enumerate(nodes_PxJ1[p]):
+      depth_N[node], path_N[node] = j, p
+      ancestor_NxN[node, nodes_PxJ1[p, :j + 1]] = True
+  return depth_N, path_N, ancestor_NxN
+
+
 def tile(state, paths: int, batch: int):
   """Every per-sequence array of a decoding state (leading axis `batch`) repeated as P rows."""
   return jax.tree.map(lambda x: jnp.repeat(x, paths, axis=0) if x.ndim and x.shape[0] == batch else x, state)
@@ -67,9 +94,38 @@ def winners(accepted_R, paths: int):
   return jnp.repeat(best_B, paths)
 
 
-def adopt_slots(caches, src_R, pos_RxW):
-  """Trunk caches where each row's slots `pos` hold those of row src: the winning path's keys and
-  values at the positions the verify call just wrote (cache layout B x G x S x E)."""
-  rows_Rx1 = jnp.arange(src_R.shape[0])[:, None]
-  return [{name: c.at[rows_Rx1, :, pos_RxW].set(c[src_R[:, None], :, pos_RxW], mode='drop')
-           for name, c in cache.items()} for cache in caches]
+def verify_pass(model, tokens_RxS, length_R, caches, tree: tuple[int, ...]):
+  """One trunk call over each sequence's N distinct tree nodes (row b·P + p holds path p's drafts).
+
+  Node n of depth j sits at position L+j (L: the pending token's) in cache slot L+n, and sees the
+  committed prefix (slots < L) and its own ancestors. Returns each path's view, as a chain verify
+  call gives it: (tokens, h^0, main logits) at its nodes of depth 0..J, R x (J+1), and the trunk
+  caches, one row per sequence, with the nodes in slots L..L+N-1 (`keep_path` compacts them).
+  """
+  depth_N, path_N, ancestor_NxN = node_table(tree)
+  paths, n, s = num_paths(tree), len(depth_N), tokens_RxS.shape[1]
+  rows = tokens_RxS.shape[0]
+  pending_B = length_R[::paths] - 1
+  pos_BxN = pending_B[:, None] + depth_N
+  tokens_BxN = tokens_RxS[jnp.arange(rows // paths)[:, None] * paths + path_N, pos_BxN]
+  rel_BxS = jnp.arange(s) - pending_B[:, None]  # slot - L: < 0 the committed prefix, [0, N) the tree
+  sees_BxNxS = jnp.take(jnp.asarray(ancestor_NxN), jnp.clip(rel_BxS, 0, n - 1), axis=1).transpose(1, 0, 2)
+  mask_BxNxS = (rel_BxS < 0)[:, None, :] | (sees_BxNxS & (rel_BxS < n)[:, None, :])
+  h_BxNxD, caches = model.trunk(tokens_BxN, pos_BxN, mask_BxNxS, caches, pending_B[:, None] + jnp.arange(n))
+  logits_BxNxV = model.logits(h_BxNxD)
+  seq_Rx1 = (jnp.arange(rows) // paths)[:, None]
+  nodes_RxJ1 = jnp.tile(path_nodes(tree), (rows // paths, 1))
+  return tokens_BxN[seq_Rx1, nodes_RxJ1], h_BxNxD[seq_Rx1, nodes_RxJ1], logits_BxNxV[seq_Rx1, nodes_RxJ1], caches
+
+
+def keep_path(caches, length_R, src_R, tree: tuple[int, ...]):
+  """Trunk caches (one row per sequence) where slots L+1..L+J hold the nodes of the winning path
+  (row src's), as a chain's verify call would have written them; the other nodes' slots lie past
+  the committed tokens, so no query sees them before the next pass rewrites them."""
+  paths = num_paths(tree)
+  pending_B, path_B = length_R[::paths] - 1, src_R[::paths] % paths
+  from_BxJ = pending_B[:, None] + jnp.asarray(path_nodes(tree))[path_B, 1:]
+  to_BxJ = pending_B[:, None] + jnp.arange(1, len(tree) + 1)
+  seq_Bx1 = jnp.arange(len(pending_B))[:, None]
+  return [{name: c.at[seq_Bx1, :, to_BxJ].set(c[seq_Bx1, :, from_BxJ], mode='drop') for name, c in cache.items()}
+          for cache in caches]

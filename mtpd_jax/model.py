@@ -158,7 +158,9 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(e, cfg.norm_eps, rngs)
       self.k_norm = RMSNorm(e, cfg.norm_eps, rngs)
 
-  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None):
+  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None, slots_BxT=None):
+    """`slots_BxT`: the cache slots this call writes (default: the positions; a tree pass writes
+    nodes that share a position into slots of their own)."""
     cfg, dt = self.cfg, x_BxTxD.dtype
     q_BxTxHxE = jnp.einsum('btd,dhe->bthe', x_BxTxD, self.wq[...].astype(dt))
     k_BxTxGxE = jnp.einsum('btd,dge->btge', x_BxTxD, self.wk[...].astype(dt))
@@ -167,10 +169,11 @@ class Attention(nnx.Module):
       q_BxTxHxE, k_BxTxGxE = self.q_norm(q_BxTxHxE), self.k_norm(k_BxTxGxE)
     q_BxTxHxE = rope(q_BxTxHxE, positions_BxT, cfg.rope_base, cfg.rope_interleaved)
     k_BxTxGxE = rope(k_BxTxGxE, positions_BxT, cfg.rope_base, cfg.rope_interleaved)
-    if cache is not None:  # write this call's keys at their positions, then attend over the cache
+    if cache is not None:  # write this call's keys at their slots, then attend over the cache
       b_Bx1 = jnp.arange(positions_BxT.shape[0])[:, None]
-      cache = {'k': cache['k'].at[b_Bx1, :, positions_BxT].set(k_BxTxGxE, mode='drop'),
-               'v': cache['v'].at[b_Bx1, :, positions_BxT].set(v_BxTxGxE, mode='drop')}
+      slots_BxT = positions_BxT if slots_BxT is None else slots_BxT
+      cache = {'k': cache['k'].at[b_Bx1, :, slots_BxT].set(k_BxTxGxE, mode='drop'),
+               'v': cache['v'].at[b_Bx1, :, slots_BxT].set(v_BxTxGxE, mode='drop')}
       k_BxGxSxE, v_BxGxSxE = cache['k'], cache['v']
     else:
       k_BxGxSxE, v_BxGxSxE = k_BxTxGxE.transpose(0, 2, 1, 3), v_BxTxGxE.transpose(0, 2, 1, 3)
@@ -218,11 +221,11 @@ class Block(nnx.Module):
     else:
       self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None, *, dropless: bool = True,
-               move_bias: bool = False):
+  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None, slots_BxT=None, *,
+               dropless: bool = True, move_bias: bool = False):
     """(x, cache, routing stats or None); `dropless=False` applies the experts' capacity limit and
     `move_bias` moves the router's balancing bias (moe.MoE)."""
-    attn_BxTxD, cache = self.attn(self.attn_norm(x_BxTxD), positions_BxT, mask_BxTxS, cache)
+    attn_BxTxD, cache = self.attn(self.attn_norm(x_BxTxD), positions_BxT, mask_BxTxS, cache, slots_BxT)
     x_BxTxD = x_BxTxD + attn_BxTxD
     h_BxTxD = self.mlp_norm(x_BxTxD)
     if not hasattr(self, 'moe'):
@@ -289,18 +292,20 @@ class MTPTransformer(nnx.Module):
   def embed_tokens(self, tokens_BxT):
     return jnp.take(self.embed[...], tokens_BxT, axis=0).astype(jnp.dtype(self.cfg.dtype))
 
-  def trunk(self, tokens_BxT, positions_BxT, mask_BxTxS, caches: list[Cache] | None = None):
-    """Hidden states h^0 (before the final norm) and the updated per-layer caches (experts dropless)."""
-    x_BxTxD, new_caches, _ = self._trunk(tokens_BxT, positions_BxT, mask_BxTxS, caches, dropless=True)
+  def trunk(self, tokens_BxT, positions_BxT, mask_BxTxS, caches: list[Cache] | None = None, slots_BxT=None):
+    """Hidden states h^0 (before the final norm) and the updated per-layer caches (experts dropless);
+    the caches are written at `slots_BxT` (default: at the positions)."""
+    x_BxTxD, new_caches, _ = self._trunk(tokens_BxT, positions_BxT, mask_BxTxS, caches, slots_BxT, dropless=True)
     return x_BxTxD, new_caches
 
-  def _trunk(self, tokens_BxT, positions_BxT, mask_BxTxS, caches, *, dropless: bool, move_bias: bool = False):
+  def _trunk(self, tokens_BxT, positions_BxT, mask_BxTxS, caches, slots_BxT=None, *, dropless: bool,
+             move_bias: bool = False):
     x_BxTxD = self.embed_tokens(tokens_BxT)
     new_caches, stats = [], []
     for layer, block in enumerate(self.blocks):
       cache = None if caches is None else caches[layer]
       x_BxTxD, cache, layer_stats = _run_block(block, self.cfg.remat, x_BxTxD, positions_BxT, mask_BxTxS, cache,
-                                               dropless=dropless, move_bias=move_bias)
+                                               slots_BxT, dropless=dropless, move_bias=move_bias)
       new_caches.append(cache)
       stats.append(layer_stats)
     return x_BxTxD, (None if caches is None else new_caches), stats

@@ -12,9 +12,9 @@ import scipy.stats
 from flax import nnx
 
 from benchmarks import decode_speed
-from mtpd_jax import decode, metrics, sampling
+from mtpd_jax import decode, draft_tree, metrics, sampling
 from mtpd_jax.harness import evaluate
-from mtpd_jax.model import ModelConfig, MTPTransformer
+from mtpd_jax.model import ModelConfig, MTPTransformer, cache_mask
 
 CFG = ModelConfig(vocab_size=32, dim=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
                   mlp_dim=64, num_mtp_heads=2, max_seq_len=128)
@@ -314,9 +314,10 @@ def test_a_tree_that_cannot_run_is_refused_in_one_line(models):
       decode.generate(models['random'], _prompts(), max_new_tokens=2, **kwargs)
 
 
-def test_every_path_row_holds_the_committed_tokens_caches(trained):
-  """After tree steps, every path's row of a sequence holds, at each committed position, the trunk
-  keys, values and hidden state that a teacher-forced pass over the committed tokens gives."""
+def test_tree_caches_hold_exactly_the_committed_tokens_states(trained):
+  """After tree steps, the trunk cache (one row per sequence) holds at each committed position the
+  keys and values that a teacher-forced pass over the committed tokens gives, and every path's row
+  the same tokens and hidden states: the accepted path was compacted into place, as a chain has it."""
   structure, leaves = decode.split(trained)
   prompt_BxP, lens_B = decode.pad_prompts(_prompts(), 16)
   opts = decode.DecodeOptions(max_new_tokens=MAX_NEW, draft_depth=3, tree=(3, 1, 2))
@@ -325,14 +326,39 @@ def test_every_path_row_holds_the_committed_tokens_caches(trained):
   paths = 6
   tokens_RxS, length_R = np.asarray(st.tokens_BxS), np.asarray(st.length_B)
   assert (length_R.reshape(-1, paths) == length_R[::paths, None]).all()
+  assert all(c['k'].shape[0] == len(lens_B) for c in st.caches)  # one trunk cache row per sequence
   committed_BxS = tokens_RxS[::paths, :length_R.max()]
   ref = decode.jit_prefill(structure, leaves, committed_BxS, length_R[::paths],  # a chain prefill: it keeps h
                            jax.random.key(0), decode.DecodeOptions(max_new_tokens=1, draft_depth=1))
   for r in range(len(length_R)):
     b, n = r // paths, length_R[r] - 1  # the trunk has run positions < the pending one
     np.testing.assert_array_equal(tokens_RxS[r, :n + 1], tokens_RxS[b * paths, :n + 1])
-    for got, want in zip(st.caches, ref.caches):
-      for name in ('k', 'v'):
-        np.testing.assert_allclose(got[name][r, :, :n], want[name][b, :, :n], atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(st.h0_BxSxD[r, :n], ref.h0_BxSxD[b, :n], atol=1e-4, rtol=1e-4)
+    if r % paths == 0:
+      for got, want in zip(st.caches, ref.caches):
+        for name in ('k', 'v'):
+          np.testing.assert_allclose(got[name][b, :, :n], want[name][b, :, :n], atol=1e-4, rtol=1e-4)
   assert (length_R[::paths] >= lens_B + 5).all()  # prefill and 4 steps each emitted
+
+
+@pytest.mark.parametrize('tree', [(2,), (3, 1, 2)])
+def test_the_tree_pass_gives_each_path_what_a_chain_verify_of_its_drafts_gives(models, tree):
+  """The tree attention mask lets a node see the committed prefix and exactly its ancestors: each
+  path's main logits and hidden states from the one tree pass equal those of a chain verify call
+  over that path's pending token and drafts (the batched-paths reference)."""
+  model = models['trained']
+  structure, leaves = decode.split(model)
+  prompt_BxP, lens_B = decode.pad_prompts(_prompts(), 16)
+  opts = decode.DecodeOptions(max_new_tokens=MAX_NEW, draft_depth=len(tree), tree=tree)
+  st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
+                                                              jax.random.key(0), opts), opts, 2)
+  tokens_RxJ1, h_RxJ1xD, logits_RxJ1xV, _ = draft_tree.verify_pass(model, st.tokens_BxS, st.length_B,
+                                                                   st.caches, tree)
+  paths = draft_tree.num_paths(tree)
+  pos_RxJ1 = (st.length_B - 1)[:, None] + jnp.arange(len(tree) + 1)
+  np.testing.assert_array_equal(tokens_RxJ1, np.take_along_axis(np.asarray(st.tokens_BxS), np.asarray(pos_RxJ1), 1))
+  assert len(np.unique(np.asarray(tokens_RxJ1)[:paths], axis=0)) > 1  # the paths do differ
+  row_caches = draft_tree.tile(st.caches, paths, len(lens_B))
+  h_want, _ = model.trunk(tokens_RxJ1, pos_RxJ1, cache_mask(pos_RxJ1, st.tokens_BxS.shape[1]), row_caches)
+  np.testing.assert_allclose(h_RxJ1xD, h_want, atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(logits_RxJ1xV, model.logits(h_want), atol=1e-4, rtol=1e-4)
