@@ -17,7 +17,8 @@ $(BIN)/.installed: requirements.txt requirements-data.txt requirements-hf.txt
 run: $(BIN)/.installed
 	$(BIN)/python -m experiments.run --config=ablation_topn
 
-# Tests run on every core (at most 4 workers); most of their time is XLA compiling, one core each.
+# Tests run on one worker per core plus one (tests/conftest.py; at most 4): most of their time is XLA
+# compiling, one core each, and many wait on subprocesses.
 PYTEST := $(BIN)/python -m pytest -q -n auto --maxprocesses=4 --dist worksteal
 
 test: $(BIN)/.installed

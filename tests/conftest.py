@@ -82,3 +82,11 @@ def gathered_shapes(hlo: str) -> list[list[int]]:
       shapes += [[int(d) for d in dims.split(',') if d] for dims in re.findall(r'\w+\[([\d,]*)\]', lhs)]
   return shapes
 
+
+
+def pytest_xdist_auto_num_workers(config):
+  """`-n auto` (make test): one worker more than the cores. Many tests wait on subprocesses starting
+  up, on checkpoint writes or on a signal: with one worker per core, a niced job beside a 2-core
+  run of the suite still got about half a core."""
+  del config
+  return (os.cpu_count() or 1) + 1
