@@ -3,9 +3,9 @@
 A static tree of branching (b_1, ..., b_J) has P = Π b_j root-to-leaf paths. Path p takes, at
 depth j, the token of rank r_pj (0 = argmax) of its own depth-j draft logits, which are the
 head's logits on the path's own earlier drafts (the chain's semantics, so paths that share a
-prefix draft the same tokens along it: the tree has N = `num_nodes` distinct nodes, the pending
+prefix draft the same tokens along it: the tree has O = `num_nodes` distinct nodes, the pending
 token and the drafts). Drafting runs each sequence as P rows, one per path (row b·P + p), each a
-chain in the same head calls. Verifying is one trunk call over the N nodes of each sequence with
+chain in the same head calls. Verifying is one trunk call over the O nodes of each sequence with
 a tree attention mask (`verify_pass`), one trunk cache per sequence; each path reads its nodes'
 logits as a chain verify call would give them. The sequence keeps the path that accepted the
 most drafts (the first on ties): every row adopts its tokens, logits and hidden states, and the
@@ -59,21 +59,21 @@ def path_nodes(tree: tuple[int, ...]) -> np.ndarray:
 
 
 def num_nodes(tree: tuple[int, ...]) -> int:
-  """N: the root and every distinct draft of the tree, the tokens one tree attention pass verifies."""
+  """O: the root and every distinct draft of the tree, the tokens one tree attention pass verifies."""
   return 1 + int(np.cumprod(tree).sum())
 
 
 def node_table(tree: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """(depth_N, path_N, ancestor_NxN): each node's depth, the first path through it (whose row
+  """(depth_O, path_O, ancestor_OxO): each node's depth, the first path through it (whose row
   drafted its token) and which nodes it sees in the tree attention pass: itself and its ancestors."""
   nodes_PxJ1 = path_nodes(tree)
   n = num_nodes(tree)
-  depth_N, path_N, ancestor_NxN = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros((n, n), bool)
+  depth_O, path_O, ancestor_OxO = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros((n, n), bool)
   for p in reversed(range(len(nodes_PxJ1))):  # reversed: the first path through a node writes last
     for j, node in enumerate(nodes_PxJ1[p]):
-      depth_N[node], path_N[node] = j, p
-      ancestor_NxN[node, nodes_PxJ1[p, :j + 1]] = True
-  return depth_N, path_N, ancestor_NxN
+      depth_O[node], path_O[node] = j, p
+      ancestor_OxO[node, nodes_PxJ1[p, :j + 1]] = True
+  return depth_O, path_O, ancestor_OxO
 
 
 def tile(state, paths: int, batch: int):
@@ -95,27 +95,27 @@ def winners(accepted_R, paths: int):
 
 
 def verify_pass(model, tokens_RxS, length_R, caches, tree: tuple[int, ...]):
-  """One trunk call over each sequence's N distinct tree nodes (row b·P + p holds path p's drafts).
+  """One trunk call over each sequence's O distinct tree nodes (row b·P + p holds path p's drafts).
 
   Node n of depth j sits at position L+j (L: the pending token's) in cache slot L+n, and sees the
   committed prefix (slots < L) and its own ancestors. Returns each path's view, as a chain verify
   call gives it: (tokens, h^0, main logits) at its nodes of depth 0..J, R x (J+1), and the trunk
-  caches, one row per sequence, with the nodes in slots L..L+N-1 (`keep_path` compacts them).
+  caches, one row per sequence, with the nodes in slots L..L+O-1 (`keep_path` compacts them).
   """
-  depth_N, path_N, ancestor_NxN = node_table(tree)
-  paths, n, s = num_paths(tree), len(depth_N), tokens_RxS.shape[1]
+  depth_O, path_O, ancestor_OxO = node_table(tree)
+  paths, n, s = num_paths(tree), len(depth_O), tokens_RxS.shape[1]
   rows = tokens_RxS.shape[0]
   pending_B = length_R[::paths] - 1
-  pos_BxN = pending_B[:, None] + depth_N
-  tokens_BxN = tokens_RxS[jnp.arange(rows // paths)[:, None] * paths + path_N, pos_BxN]
-  rel_BxS = jnp.arange(s) - pending_B[:, None]  # slot - L: < 0 the committed prefix, [0, N) the tree
-  sees_BxNxS = jnp.take(jnp.asarray(ancestor_NxN), jnp.clip(rel_BxS, 0, n - 1), axis=1).transpose(1, 0, 2)
-  mask_BxNxS = (rel_BxS < 0)[:, None, :] | (sees_BxNxS & (rel_BxS < n)[:, None, :])
-  h_BxNxD, caches = model.trunk(tokens_BxN, pos_BxN, mask_BxNxS, caches, pending_B[:, None] + jnp.arange(n))
-  logits_BxNxV = model.logits(h_BxNxD)
+  pos_BxO = pending_B[:, None] + depth_O
+  tokens_BxO = tokens_RxS[jnp.arange(rows // paths)[:, None] * paths + path_O, pos_BxO]
+  rel_BxS = jnp.arange(s) - pending_B[:, None]  # slot - L: < 0 the committed prefix, [0, O) the tree
+  sees_BxOxS = jnp.take(jnp.asarray(ancestor_OxO), jnp.clip(rel_BxS, 0, n - 1), axis=1).transpose(1, 0, 2)
+  mask_BxOxS = (rel_BxS < 0)[:, None, :] | (sees_BxOxS & (rel_BxS < n)[:, None, :])
+  h_BxOxD, caches = model.trunk(tokens_BxO, pos_BxO, mask_BxOxS, caches, pending_B[:, None] + jnp.arange(n))
+  logits_BxOxV = model.logits(h_BxOxD)
   seq_Rx1 = (jnp.arange(rows) // paths)[:, None]
   nodes_RxJ1 = jnp.tile(path_nodes(tree), (rows // paths, 1))
-  return tokens_BxN[seq_Rx1, nodes_RxJ1], h_BxNxD[seq_Rx1, nodes_RxJ1], logits_BxNxV[seq_Rx1, nodes_RxJ1], caches
+  return tokens_BxO[seq_Rx1, nodes_RxJ1], h_BxOxD[seq_Rx1, nodes_RxJ1], logits_BxOxV[seq_Rx1, nodes_RxJ1], caches
 
 
 def keep_path(caches, length_R, src_R, tree: tuple[int, ...]):
