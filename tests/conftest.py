@@ -14,9 +14,8 @@ os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',
                       os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), '.pytest_cache', 'xla'))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.5')
 # Most of the suite's time is XLA compiling small programs that then run for milliseconds: LLVM's
-# optimisation passes cost more than they save here (decode_test and train_test cold: 207 s -> 149 s). Numerics are the
-# same programs' (the golden tests pin values within their tolerances); benchmarks, not tests,
-# measure speed.
+# optimisation passes cost more than they save here (decode_test and train_test, cold: 207 s ->
+# 149 s). The golden tests give the same values either way; benchmarks, not tests, measure speed.
 os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 # PyTorch (the comparisons with transformers) runs one thread per core that spins while it waits:
 # beside the other test worker's JAX it ran 2x slower than on one thread (hf_parity_test: 168 s
@@ -81,7 +80,6 @@ def gathered_shapes(hlo: str) -> list[list[int]]:
       lhs = line.split('all-gather')[0]
       shapes += [[int(d) for d in dims.split(',') if d] for dims in re.findall(r'\w+\[([\d,]*)\]', lhs)]
   return shapes
-
 
 
 def pytest_xdist_auto_num_workers(config):
