@@ -42,10 +42,8 @@ itself): the output is unchanged, greedy or sampled. Every depth still re-runs i
 cache scheme needs it), but the logits of a depth where no sequence of the batch still drafts,
 the largest part of a depth's cost at a large vocabulary, are skipped.
 
-Tree drafts (`tree`, greedy; mtpd_jax/draft_tree.py): each sequence drafts as one batch row per
-root-to-leaf path, every row a chain as above; one tree attention pass of the trunk verifies the
-distinct nodes (one trunk cache per sequence), and all rows of a sequence adopt the path that
-accepted the most, whose cache slots are compacted into a chain's places.
+Tree drafts (`tree`, greedy; mtpd_jax/draft_tree.py): each path drafts as a batch row, a chain as
+above; one tree attention pass verifies the distinct nodes and every row adopts the best path.
 
 Slots past a sequence's own window may hold stale drafts or prompt padding (ragged batches run
 on padded prompts at per-sequence positions); they are never visible, because every call writes
@@ -123,8 +121,7 @@ def head_for_depth(j: int, num_heads: int) -> int:
 
 
 def cache_len(prompt_len: int, opts: DecodeOptions) -> int:
-  """Cache slots: the padded prompt, max_new_tokens and one verify call's tokens (a chain's pending
-  token and drafts, or a tree's nodes)."""
+  """Cache slots: the padded prompt, max_new_tokens and one verify call's tokens (chain or tree)."""
   return prompt_len + opts.max_new_tokens + (draft_tree.num_nodes(opts.tree) if opts.tree else opts.draft_depth + 1)
 
 
