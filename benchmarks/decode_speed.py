@@ -244,7 +244,7 @@ flags.DEFINE_string('draft_vocab', '0', 'draft among the N most frequent trainin
                     'vocabulary); a list compares sizes side by side', flag_values=FLAGS)
 flags.DEFINE_string('draft_min_prob', '0', 'adaptive depth: stop drafting below this top probability (0 = '
                     'the full chain); a list compares thresholds side by side', flag_values=FLAGS)
-flags.DEFINE_string('tree', '', 'greedy tree drafts beside the chain: branching per depth, e.g. 3,2,1,1 '
+flags.DEFINE_string('tree', '', 'tree drafts beside the chain: branching per depth, e.g. 3,2,1,1 '
                     "('' = chains only)", flag_values=FLAGS)
 flags.DEFINE_integer('repeats', 3, 'timed passes (the best counts)', flag_values=FLAGS)
 flags.DEFINE_integer('timing_steps', None,

@@ -142,7 +142,7 @@ def get_config() -> ml_collections.ConfigDict:
   # adaptive depth: a sequence stops drafting at the first depth whose head's top probability is
   # below this (0 = always the full depth); lossless, and AR/CAR then count unproposed drafts as rejected
   c.eval.draft_min_prob = 0.0
-  # greedy tree drafts: branching per depth, one entry per draft depth, e.g. (3, 2, 1, 1); () = a chain
+  # tree drafts: branching per depth, one entry per draft depth, e.g. (3, 2, 1, 1); () = a chain
   c.eval.tree = ()
   c.eval.repeats = 3              # timed passes of each decoding (best of, per batch); one more compiles
   c.eval.timing_steps = 256       # decoding steps timed per setting for the analytic speedup

@@ -42,8 +42,9 @@ itself): the output is unchanged, greedy or sampled. Every depth still re-runs i
 cache scheme needs it), but the logits of a depth where no sequence of the batch still drafts,
 the largest part of a depth's cost at a large vocabulary, are skipped.
 
-Tree drafts (`tree`, greedy; mtpd_jax/draft_tree.py): each path drafts as a batch row, a chain as
-above; one tree attention pass verifies the distinct nodes and every row adopts the best path.
+Tree drafts (`tree`; mtpd_jax/draft_tree.py): each path drafts as a batch row, a chain as above;
+one tree attention pass verifies the distinct nodes, and every row adopts the path that
+`draft_tree.accept` commits (greedy: the longest; sampling: recursive rejection sampling).
 
 Slots past a sequence's own window may hold stale drafts or prompt padding (ragged batches run
 on padded prompts at per-sequence positions); they are never visible, because every call writes
@@ -73,12 +74,12 @@ class DecodeOptions:
   top_p: float = 1.0
   stop_tokens: tuple[int, ...] = ()
   draft_min_prob: float = 0.0     # adaptive depth: stop drafting below this top probability (0 = always J)
-  tree: tuple[int, ...] = ()      # greedy tree drafts: branching per depth (mtpd_jax/draft_tree.py); () = a chain
+  tree: tuple[int, ...] = ()      # tree drafts: branching per depth (mtpd_jax/draft_tree.py); () = a chain
 
   def __post_init__(self):
     if not 0.0 <= self.draft_min_prob <= 1.0:
       raise ValueError(f'draft_min_prob={self.draft_min_prob} must lie in [0, 1]')
-    draft_tree.check(self.tree, self.draft_depth, self.temperature)
+    draft_tree.check(self.tree, self.draft_depth)
 
 
 class DecodeState(NamedTuple):
@@ -196,17 +197,14 @@ def _draft(model: MTPTransformer, st: DecodeState, start_B, width: int, key, opt
   head_caches, draft_logits = [], []
   drafting_B = jnp.ones(pending_B.shape, bool)  # adaptive depth: every depth so far was confident
   num_drafts_B = jnp.zeros_like(pending_B)
-  ranks_BxJ = None
-  if opts.tree:  # row b·P + p drafts path p
-    ranks_BxJ = jnp.tile(draft_tree.path_ranks(opts.tree), (pending_B.shape[0] // draft_tree.num_paths(opts.tree), 1))
   for j, key_j in zip(range(1, opts.draft_depth + 1), jax.random.split(key, opts.draft_depth)):
     # Depth j at window position i reads h^{j-1}_i and token i+j, and predicts token i+j+1.
     h_BxWxD, cache = model.mtp_head(head_for_depth(j, model.cfg.num_mtp_heads), h_BxWxD,
                                     _gather(tokens_BxS, pos_BxW + j), pos_BxW, mask_BxWxS,
                                     st.head_caches[j - 1])
     h_Bx1xD = _gather(h_BxWxD, last_Bx1)
-    choose = functools.partial(_choose_draft, model, vocab, opts, key_j,
-                               None if ranks_BxJ is None else (ranks_BxJ[:, j - 1], opts.tree[j - 1]))
+    choose = functools.partial(_choose_draft, model, vocab, opts, key_j,  # a tree: row b·P + p drafts path p
+                               draft_tree.depth_rows(opts.tree, len(pending_B), j) if opts.tree else None)
     if opts.draft_min_prob and j > 1:  # skip the logits once no sequence drafts this deep
       v = model.cfg.vocab_size
       draft_B, logits_BxV = jax.lax.cond(jnp.any(drafting_B), choose, lambda h: (
@@ -234,22 +232,24 @@ def draft_confidence(logits_BxV, draft_B, opts: DecodeOptions):
   return jnp.max(sampling.probs(logits_BxV, opts.temperature or 1.0, opts.top_p), axis=-1)
 
 
-def _choose_draft(model: MTPTransformer, vocab: DraftVocab | None, opts: DecodeOptions, key, ranks, h_Bx1xD):
-  """A depth's draft token and its logits over V (-inf outside a draft vocabulary). `ranks`: for a
-  tree, (each row's rank at this depth, the depth's branching); the row drafts that ranked token."""
-  pick = (lambda l: jnp.argmax(l, axis=-1)) if ranks is None else (lambda l: draft_tree.ranked(l, *ranks))
-  if vocab is None:
-    logits_BxV = model.logits(h_Bx1xD)[:, 0]
-    draft_B = None if opts.temperature else pick(logits_BxV).astype(jnp.int32)
-  else:
-    logits_BxU = model.logits(h_Bx1xD, vocab.w_DxU)[:, 0]
-    # Greedy needs only the argmax; sampling, the full row with probability 0 outside the vocabulary.
-    draft_B = None if opts.temperature else vocab.ids_U[pick(logits_BxU)]
-    logits_BxV = jnp.full(logits_BxU.shape[:1] + (model.cfg.vocab_size,), -jnp.inf,
-                          logits_BxU.dtype).at[:, vocab.ids_U].set(logits_BxU)
+def _choose_draft(model: MTPTransformer, vocab: DraftVocab | None, opts: DecodeOptions, key,
+                  rows: draft_tree.DepthRows | None, h_Bx1xD):
+  """A depth's draft token and its logits over V (-inf outside a draft vocabulary). `rows`: for a
+  tree, each row reads its parent node's logits and takes its own node's draft, of its rank
+  (greedy) or an independent draw (sampling) among its siblings."""
+  logits_BxU = model.logits(h_Bx1xD, None if vocab is None else vocab.w_DxU)[:, 0]
+  if rows is not None:
+    logits_BxU = logits_BxU[rows.parent_R]
+  draft_B = None
+  if not opts.temperature:  # greedy needs only the argmax (or the rank) among the U columns
+    draft_B = (jnp.argmax(logits_BxU, axis=-1) if rows is None
+               else draft_tree.ranked(logits_BxU, rows.rank_R, rows.width))
+    draft_B = draft_B if vocab is None else vocab.ids_U[draft_B]
+  logits_BxV = logits_BxU if vocab is None else jnp.full(  # sampling reads q over V: 0 outside the vocabulary
+      logits_BxU.shape[:1] + (model.cfg.vocab_size,), -jnp.inf, logits_BxU.dtype).at[:, vocab.ids_U].set(logits_BxU)
   if draft_B is None:
     draft_B = sampling.choose(key, logits_BxV, opts.temperature, opts.top_p)
-  return draft_B, logits_BxV
+  return (draft_B if rows is None else draft_B[rows.node_R]).astype(jnp.int32), logits_BxV
 
 
 def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
@@ -257,25 +257,24 @@ def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
   """One plain decoding step, or one speculative verify + draft step when opts.draft_depth > 0."""
   j, s = opts.draft_depth, st.tokens_BxS.shape[1]
   pos_BxJ1 = (st.length_B - 1)[:, None] + jnp.arange(j + 1)  # the pending token, then the drafts
-  if opts.tree:  # one tree attention pass; each row (path) gets its own chain's view of it
+  key, key_verify, key_draft = jax.random.split(st.key, 3)
+  if opts.tree:  # one tree pass gives each row (path) its chain's view; all adopt the path committed
     tokens_BxJ1, h_BxJ1xD, logits_BxJ1xV, caches = draft_tree.verify_pass(model, st.tokens_BxS, st.length_B,
                                                                            st.caches, opts.tree)
+    src_B, accepted_B, next_B = draft_tree.accept(key_verify, tokens_BxJ1, st.draft_logits_BxJxV, logits_BxJ1xV,
+                                                  opts.tree, opts.temperature, opts.top_p, st.num_drafts_B)
+    tokens_BxJ1, logits_BxJ1xV, h_BxJ1xD = (x[src_B] for x in (tokens_BxJ1, logits_BxJ1xV, h_BxJ1xD))
+    caches = draft_tree.keep_path(caches, st.length_B, src_B, opts.tree)
   else:
     tokens_BxJ1 = _gather(st.tokens_BxS, pos_BxJ1)
     h_BxJ1xD, caches = model.trunk(tokens_BxJ1, pos_BxJ1, cache_mask(pos_BxJ1, s), st.caches)
     logits_BxJ1xV = model.logits(h_BxJ1xD)
-  key, key_verify, key_draft = jax.random.split(st.key, 3)
-  if j:
-    accepted_B, next_B = sampling.verify(key_verify, tokens_BxJ1[:, 1:], st.draft_logits_BxJxV,
-                                         logits_BxJ1xV, opts.temperature, opts.top_p, st.num_drafts_B)
-  else:
-    accepted_B = jnp.zeros_like(st.length_B)
-    next_B = sampling.choose(key_verify, logits_BxJ1xV[:, 0], opts.temperature, opts.top_p)
-  if opts.tree:  # every row of a sequence adopts the path that accepted the most
-    src_B = draft_tree.winners(accepted_B, draft_tree.num_paths(opts.tree))
-    accepted_B, next_B, tokens_BxJ1, logits_BxJ1xV, h_BxJ1xD = (
-        x[src_B] for x in (accepted_B, next_B, tokens_BxJ1, logits_BxJ1xV, h_BxJ1xD))
-    caches = draft_tree.keep_path(caches, st.length_B, src_B, opts.tree)
+    if j:
+      accepted_B, next_B = sampling.verify(key_verify, tokens_BxJ1[:, 1:], st.draft_logits_BxJxV,
+                                           logits_BxJ1xV, opts.temperature, opts.top_p, st.num_drafts_B)
+    else:
+      accepted_B = jnp.zeros_like(st.length_B)
+      next_B = sampling.choose(key_verify, logits_BxJ1xV[:, 0], opts.temperature, opts.top_p)
   # Emit d_1..d_a, then the main head's token at index a.
   idx_J1 = jnp.arange(j + 1)
   emit_BxJ1 = jnp.where(idx_J1 == accepted_B[:, None], next_B[:, None], jnp.roll(tokens_BxJ1, -1, axis=1))
@@ -400,7 +399,7 @@ def generate(model: MTPTransformer, prompts, **kwargs) -> Generation:
   heads), temperature (0 = greedy), top_p, stop_tokens, seed, pad_multiple, draft_vocab (token
   ids that drafts are chosen from, e.g. `frequent_tokens`; None = the whole vocabulary),
   draft_min_prob (adaptive depth: a sequence stops drafting at the first depth whose head's top
-  probability is below it; 0 = always draft_depth), tree (greedy tree drafts: the branching at each
+  probability is below it; 0 = always draft_depth), tree (tree drafts: the branching at each
   of the draft_depth depths, e.g. (3, 2, 1, 1); `mtpd_jax/draft_tree.py`).
   """
   return generate_split(*split(model), prompts, **kwargs)

@@ -1,38 +1,36 @@
 """Tree drafts: the bookkeeping that `decode` uses when `DecodeOptions.tree` is set (docs/design.md).
 
 A static tree of branching (b_1, ..., b_J) has P = Π b_j root-to-leaf paths. Path p takes, at
-depth j, the token of rank r_pj (0 = argmax) of its own depth-j draft logits, which are the
-head's logits on the path's own earlier drafts (the chain's semantics, so paths that share a
-prefix draft the same tokens along it: the tree has O = `num_nodes` distinct nodes, the pending
-token and the drafts). Drafting runs each sequence as P rows, one per path (row b·P + p), each a
-chain in the same head calls. Verifying is one trunk call over the O nodes of each sequence with
-a tree attention mask (`verify_pass`), one trunk cache per sequence; each path reads its nodes'
-logits as a chain verify call would give them. The sequence keeps the path that accepted the
-most drafts (the first on ties): every row adopts its tokens, logits and hidden states, and the
-trunk cache its nodes' slots (`keep_path`). The rows' per-depth head caches need no copy: the
-next draft pass rewrites every slot that was not final.
-
-Greedy only: a sampled tree needs a multi-candidate acceptance rule (recursive rejection sampling
-over siblings), which is not implemented, so `DecodeOptions` refuses temperature > 0 with a tree.
+depth j, the token of rank r_pj (0 = argmax; sampling: the r_pj-th of b_j independent draws) of
+the depth-j draft logits at its depth-(j-1) node, which are the head's logits on the path's own
+earlier drafts (the chain's semantics, so paths that share a prefix draft the same tokens along
+it: the tree has O = `num_nodes` distinct nodes, the pending token and the drafts). Drafting runs
+each sequence as P rows, one per path (row b·P + p), each a chain in the same head calls; every
+row reads its parent node's logits and its node's token from the row of the first path through
+them (`DepthRows`), so rows that share a node agree exactly. Verifying is one trunk call over the
+O nodes of each sequence with a tree attention mask (`verify_pass`), one trunk cache per sequence;
+each path reads its nodes' logits as a chain verify call would give them. `accept` picks the path
+to commit (greedy: the longest accepted; sampling: recursive rejection sampling down the tree):
+every row adopts its tokens, logits and hidden states, and the trunk cache its nodes' slots
+(`keep_path`). The rows' per-depth head caches need no copy: the next draft pass rewrites every
+slot that was not final.
 """
 
 import itertools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtpd_jax import sampling
 
-def check(tree: tuple[int, ...], draft_depth: int, temperature: float) -> None:
+
+def check(tree: tuple[int, ...], draft_depth: int) -> None:
   """Refuse a tree that decoding cannot run, in one line."""
-  if not tree:
-    return
-  if len(tree) != draft_depth or any(b < 1 for b in tree):
+  if tree and (len(tree) != draft_depth or any(b < 1 for b in tree)):
     raise ValueError(f'tree={tree} must give a branching >= 1 for each of the draft_depth={draft_depth} depths')
-  if temperature:
-    raise ValueError('tree drafting is greedy only (a sampled tree needs recursive rejection sampling over '
-                     'siblings, which is not implemented): use temperature=0 or no tree')
 
 
 def num_paths(tree: tuple[int, ...]) -> int:
@@ -76,6 +74,24 @@ def node_table(tree: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarra
   return depth_O, path_O, ancestor_OxO
 
 
+class DepthRows(NamedTuple):
+  """How the R rows of a tree draft depth j (`depth_rows`)."""
+  rank_R: np.ndarray    # the rank of the row's depth-j draft among its siblings
+  width: int            # b_j, the siblings per parent
+  parent_R: np.ndarray  # the row whose logits the row reads: the first path through its depth-(j-1) node
+  node_R: np.ndarray    # the row whose draft the row takes: the first path through its depth-j node
+
+
+def depth_rows(tree: tuple[int, ...], rows: int, j: int) -> DepthRows:
+  """`DepthRows` of depth j (1-based) for R = B·P rows. Siblings have distinct first paths, so
+  sampled siblings are independent draws from their parent's one distribution."""
+  paths = num_paths(tree)
+  owner_PxJ1 = node_table(tree)[1][path_nodes(tree)]
+  owner_RxJ1 = np.repeat(np.arange(rows // paths) * paths, paths)[:, None] + np.tile(owner_PxJ1, (rows // paths, 1))
+  return DepthRows(np.tile(path_ranks(tree)[:, j - 1], rows // paths), tree[j - 1],
+                   owner_RxJ1[:, j - 1], owner_RxJ1[:, j])
+
+
 def tile(state, paths: int, batch: int):
   """Every per-sequence array of a decoding state (leading axis `batch`) repeated as P rows."""
   return jax.tree.map(lambda x: jnp.repeat(x, paths, axis=0) if x.ndim and x.shape[0] == batch else x, state)
@@ -92,6 +108,51 @@ def winners(accepted_R, paths: int):
   acc_BxP = accepted_R.reshape(-1, paths)
   best_B = jnp.arange(acc_BxP.shape[0]) * paths + jnp.argmax(acc_BxP, axis=1)
   return jnp.repeat(best_B, paths)
+
+
+def accept(key, tokens_RxJ1, draft_logits_RxJxV, logits_RxJ1xV, tree: tuple[int, ...], temperature: float,
+           top_p: float = 1.0, num_drafts_R=None):
+  """(src, a, next) per row: the row whose path the sequence commits, its accepted drafts and the
+  token after them, from each path's view of the verify pass (`verify_pass`).
+
+  Greedy: every path is verified as a chain (`sampling.verify`); the longest accepted one wins, the
+  first on ties. Sampling: recursive rejection sampling down the tree (SpecInfer, Miao et al.
+  2024): at the current node, with p the main head's law there and q its children's draft law,
+  child c is accepted with probability min(1, p/q) under the p that its elder siblings' rejections
+  left, each rejection replacing p by the normalised residual max(0, p - q); the walk moves to the
+  first accepted child, and where none is (or none was proposed: adaptive depth), the next token
+  is drawn from the current p. Each sibling is a speculative-sampling round with target p and an
+  independent draw from q, so the emitted tokens follow plain sampling exactly (docs/design.md).
+  """
+  paths = num_paths(tree)
+  if not temperature:
+    a_R, next_R = sampling.verify(key, tokens_RxJ1[:, 1:], None, logits_RxJ1xV, 0.0, top_p, num_drafts_R)
+    src_R = winners(a_R, paths)
+    return src_R, a_R[src_R], next_R[src_R]
+  depth_O, path_O, _ = node_table(tree)
+  first_child_O = jnp.asarray(path_nodes(tree)[path_O, np.minimum(depth_O + 1, len(tree))])  # leaves: unused
+  first_B = jnp.arange(tokens_RxJ1.shape[0] // paths) * paths
+  row = lambda node_B: first_B + jnp.asarray(path_O)[node_B]  # the row of the first path through the node
+  law = lambda logits_BxV: sampling.probs(logits_BxV, temperature, top_p)
+  at = lambda p_BxV, x_B: jnp.take_along_axis(p_BxV, x_B[:, None], axis=1)[:, 0]
+  node_B = jnp.zeros_like(first_B)
+  p_BxV, alive_B = law(logits_RxJ1xV[first_B, 0]), jnp.ones(first_B.shape, bool)
+  keys = jax.random.split(key, len(tree) + 1)
+  for j, width in enumerate(tree):  # try the children, at depth j+1, of each walk's depth-j node
+    q_BxV = law(draft_logits_RxJxV[row(node_B), j])
+    trying_B = alive_B if num_drafts_R is None else alive_B & (j < num_drafts_R[row(node_B)])
+    child_B, u_BxW = node_B, jax.random.uniform(keys[j], (len(first_B), width))
+    for c in range(width):
+      m_B = first_child_O[node_B] + c
+      x_B = tokens_RxJ1[row(m_B), j + 1]
+      ok_B = trying_B & sampling.accept_draft(u_BxW[:, c], at(p_BxV, x_B), at(q_BxV, x_B))
+      child_B = jnp.where(ok_B, m_B, child_B)
+      p_BxV = jnp.where((trying_B & ~ok_B)[:, None], sampling.residual(p_BxV, q_BxV), p_BxV)
+      trying_B &= ~ok_B
+    alive_B, node_B = child_B != node_B, child_B
+    p_BxV = jnp.where(alive_B[:, None], law(logits_RxJ1xV[row(node_B), j + 1]), p_BxV)
+  next_B = sampling.categorical(keys[-1], p_BxV)
+  return tuple(jnp.repeat(x, paths) for x in (row(node_B), jnp.asarray(depth_O)[node_B], next_B))
 
 
 def verify_pass(model, tokens_RxS, length_R, caches, tree: tuple[int, ...]):

@@ -29,11 +29,20 @@ def choose(key, logits_BxV, temperature: float, top_p: float = 1.0):
   """One token per row: argmax when temperature == 0, else a sample from `probs`."""
   if temperature == 0.0:
     return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-  return _categorical(key, probs(logits_BxV, temperature, top_p))
+  return categorical(key, probs(logits_BxV, temperature, top_p))
 
 
-def _categorical(key, p_BxV):
+def categorical(key, p_BxV):
+  """One token per row, drawn from the (possibly unnormalised) probabilities p."""
   return jax.random.categorical(key, jnp.log(p_BxV), axis=-1).astype(jnp.int32)
+
+
+def residual(p_BxV, q_BxV):
+  """The normalised max(0, p - q): the law of the token at a rejected draft's position (p itself
+  where p == q, which only rounding can make rejectable)."""
+  r_BxV = jnp.maximum(p_BxV - q_BxV, 0.0)
+  total_Bx1 = jnp.sum(r_BxV, axis=-1, keepdims=True)
+  return jnp.where(total_Bx1 > 0, r_BxV / jnp.where(total_Bx1 > 0, total_Bx1, 1.0), p_BxV)
 
 
 def accept_draft(u_BxJ, p_draft_BxJ, q_draft_BxJ):
@@ -76,6 +85,4 @@ def verify(key, drafts_BxJ, draft_logits_BxJxV, logits_BxJ1xV, temperature: floa
   q_BxJ1xV = jnp.concatenate([q_BxJxV, jnp.zeros_like(q_BxJxV[:, :1])], axis=1)
   p_BxV = jnp.take_along_axis(p_BxJ1xV, a_B[:, None, None], axis=1)[:, 0]
   q_BxV = jnp.take_along_axis(q_BxJ1xV, a_B[:, None, None], axis=1)[:, 0]
-  r_BxV = jnp.maximum(p_BxV - q_BxV, 0.0)
-  r_BxV = jnp.where(jnp.sum(r_BxV, axis=-1, keepdims=True) > 0, r_BxV, p_BxV)  # p == q: rounding only
-  return a_B, _categorical(key_next, r_BxV)
+  return a_B, categorical(key_next, residual(p_BxV, q_BxV))
