@@ -42,9 +42,9 @@ itself): the output is unchanged, greedy or sampled. Every depth still re-runs i
 cache scheme needs it), but the logits of a depth where no sequence of the batch still drafts,
 the largest part of a depth's cost at a large vocabulary, are skipped.
 
-Tree drafts (`tree`; mtpd_jax/draft_tree.py): each path drafts as a batch row, a chain as above;
-one tree attention pass verifies the distinct nodes, and every row adopts the path that
-`draft_tree.accept` commits (greedy: the longest; sampling: recursive rejection sampling).
+Tree drafts (`tree`; mtpd_jax/draft_tree.py): each path is a batch row holding a chain as above,
+whose depth j runs once per node of depth j-1; one tree attention pass verifies the distinct
+nodes, and every row adopts the path that `draft_tree.accept` commits.
 
 Slots past a sequence's own window may hold stale drafts or prompt padding (ragged batches run
 on padded prompts at per-sequence positions); they are never visible, because every call writes
@@ -178,10 +178,11 @@ def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOp
     raise ValueError('speculative decoding needs a model with MTP heads (num_mtp_heads >= 1)')
   st = st._replace(
       accept_BxI=jnp.full((b, opts.max_new_tokens), -1, jnp.int32),
-      h0_BxSxD=jnp.zeros((b, s, cfg.dim), h_BxPxD.dtype).at[:, :p].set(h_BxPxD),
-      head_caches=[init_cache(cfg, b, s, num_layers=1)[0] for _ in range(opts.draft_depth)])
+      h0_BxSxD=jnp.zeros((b, s, cfg.dim), h_BxPxD.dtype).at[:, :p].set(h_BxPxD))
   if opts.tree:  # one row per path of the tree; the trunk caches stay one per sequence
     st = draft_tree.tile(st._replace(caches=None), draft_tree.num_paths(opts.tree), b)._replace(caches=st.caches)
+  st = st._replace(head_caches=[init_cache(cfg, b * n, s, num_layers=1)[0]  # a tree: one row per node of depth j-1
+                                for n in draft_tree.level_sizes(opts.tree or (1,) * opts.draft_depth)[:-1]])
   return _draft(model, st, jnp.zeros_like(st.length_B), p, key_draft, opts, vocab)
 
 
@@ -195,20 +196,21 @@ def _draft(model: MTPTransformer, st: DecodeState, start_B, width: int, key, opt
   last_Bx1 = (pending_B - 1 - start_B)[:, None]  # window index of the last trunk position L-1
   h_BxWxD, tokens_BxS = _gather(st.h0_BxSxD, pos_BxW), st.tokens_BxS
   head_caches, draft_logits = [], []
-  drafting_B = jnp.ones(pending_B.shape, bool)  # adaptive depth: every depth so far was confident
-  num_drafts_B = jnp.zeros_like(pending_B)
+  drafting_B, num_drafts_B = jnp.ones(pending_B.shape, bool), jnp.zeros_like(pending_B)  # adaptive depth
   for j, key_j in zip(range(1, opts.draft_depth + 1), jax.random.split(key, opts.draft_depth)):
+    rows = draft_tree.depth_rows(opts.tree, len(pending_B), j) if opts.tree else None
+    group = (lambda x: x) if rows is None else (lambda x: x[rows.group_G])
+    if rows is not None:  # a tree runs depth j once per node of depth j-1, on its first path's row
+      h_BxWxD = group(h_BxWxD) if j == 1 else jnp.repeat(h_BxWxD, opts.tree[j - 2], axis=0)  # parent's states
     # Depth j at window position i reads h^{j-1}_i and token i+j, and predicts token i+j+1.
     h_BxWxD, cache = model.mtp_head(head_for_depth(j, model.cfg.num_mtp_heads), h_BxWxD,
-                                    _gather(tokens_BxS, pos_BxW + j), pos_BxW, mask_BxWxS,
+                                    group(_gather(tokens_BxS, pos_BxW + j)), group(pos_BxW), group(mask_BxWxS),
                                     st.head_caches[j - 1])
-    h_Bx1xD = _gather(h_BxWxD, last_Bx1)
-    choose = functools.partial(_choose_draft, model, vocab, opts, key_j,  # a tree: row b·P + p drafts path p
-                               draft_tree.depth_rows(opts.tree, len(pending_B), j) if opts.tree else None)
+    h_Bx1xD = _gather(h_BxWxD, group(last_Bx1))
+    choose = functools.partial(_choose_draft, model, vocab, opts, key_j, rows)
     if opts.draft_min_prob and j > 1:  # skip the logits once no sequence drafts this deep
-      v = model.cfg.vocab_size
-      draft_B, logits_BxV = jax.lax.cond(jnp.any(drafting_B), choose, lambda h: (
-          jnp.zeros(h.shape[:1], jnp.int32), jnp.zeros((h.shape[0], v), jnp.float32)), h_Bx1xD)
+      skip = lambda _: (jnp.zeros(pending_B.shape, jnp.int32), jnp.zeros(pending_B.shape + (model.cfg.vocab_size,)))
+      draft_B, logits_BxV = jax.lax.cond(jnp.any(drafting_B), choose, skip, h_Bx1xD)
     else:
       draft_B, logits_BxV = choose(h_Bx1xD)
     if opts.draft_min_prob:
@@ -234,22 +236,22 @@ def draft_confidence(logits_BxV, draft_B, opts: DecodeOptions):
 
 def _choose_draft(model: MTPTransformer, vocab: DraftVocab | None, opts: DecodeOptions, key,
                   rows: draft_tree.DepthRows | None, h_Bx1xD):
-  """A depth's draft token and its logits over V (-inf outside a draft vocabulary). `rows`: for a
-  tree, each row reads its parent node's logits and takes its own node's draft, of its rank
-  (greedy) or an independent draw (sampling) among its siblings."""
+  """Each row's draft at this depth and its logits over V (-inf outside a draft vocabulary). A
+  tree (`rows`): h holds one row per parent node, which drafts its b_j children (greedy: ranks
+  0..b_j-1; sampling: independent draws), and each path's row takes its node's draft and its
+  parent's logits."""
   logits_BxU = model.logits(h_Bx1xD, None if vocab is None else vocab.w_DxU)[:, 0]
-  if rows is not None:
-    logits_BxU = logits_BxU[rows.parent_R]
-  draft_B = None
-  if not opts.temperature:  # greedy needs only the argmax (or the rank) among the U columns
-    draft_B = (jnp.argmax(logits_BxU, axis=-1) if rows is None
-               else draft_tree.ranked(logits_BxU, rows.rank_R, rows.width))
-    draft_B = draft_B if vocab is None else vocab.ids_U[draft_B]
+  width = 1 if rows is None else rows.width
+  draft_BxW = None
+  if not opts.temperature:  # greedy needs only the argmax (or the top b_j) among the U columns
+    draft_BxW = jnp.argmax(logits_BxU, axis=-1)[:, None] if rows is None else jax.lax.top_k(logits_BxU, width)[1]
+    draft_BxW = draft_BxW if vocab is None else vocab.ids_U[draft_BxW]
   logits_BxV = logits_BxU if vocab is None else jnp.full(  # sampling reads q over V: 0 outside the vocabulary
       logits_BxU.shape[:1] + (model.cfg.vocab_size,), -jnp.inf, logits_BxU.dtype).at[:, vocab.ids_U].set(logits_BxU)
-  if draft_B is None:
-    draft_B = sampling.choose(key, logits_BxV, opts.temperature, opts.top_p)
-  return (draft_B if rows is None else draft_B[rows.node_R]).astype(jnp.int32), logits_BxV
+  if draft_BxW is None:
+    draft_BxW = sampling.choose(key, jnp.repeat(logits_BxV, width, axis=0), opts.temperature, opts.top_p)
+  draft_B = draft_BxW.reshape(-1).astype(jnp.int32)
+  return (draft_B, logits_BxV) if rows is None else (draft_B[rows.node_R], logits_BxV[rows.parent_R])
 
 
 def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
@@ -399,8 +401,7 @@ def generate(model: MTPTransformer, prompts, **kwargs) -> Generation:
   heads), temperature (0 = greedy), top_p, stop_tokens, seed, pad_multiple, draft_vocab (token
   ids that drafts are chosen from, e.g. `frequent_tokens`; None = the whole vocabulary),
   draft_min_prob (adaptive depth: a sequence stops drafting at the first depth whose head's top
-  probability is below it; 0 = always draft_depth), tree (tree drafts: the branching at each
-  of the draft_depth depths, e.g. (3, 2, 1, 1); `mtpd_jax/draft_tree.py`).
+  probability is below it; 0 = always draft_depth), tree (the branching per depth, e.g. (3, 2)).
   """
   return generate_split(*split(model), prompts, **kwargs)
 

@@ -4,19 +4,19 @@ A static tree of branching (b_1, ..., b_J) has P = Π b_j root-to-leaf paths. Pa
 depth j, the token of rank r_pj (0 = argmax; sampling: the r_pj-th of b_j independent draws) of
 the depth-j draft logits at its depth-(j-1) node, which are the head's logits on the path's own
 earlier drafts (the chain's semantics, so paths that share a prefix draft the same tokens along
-it: the tree has O = `num_nodes` distinct nodes, the pending token and the drafts). Drafting runs
-each sequence as P rows, one per path (row b·P + p), each a chain in the same head calls; every
-row reads its parent node's logits and its node's token from the row of the first path through
-them (`DepthRows`), so rows that share a node agree exactly. Verifying is one trunk call over the
-O nodes of each sequence with a tree attention mask (`verify_pass`), one trunk cache per sequence;
-each path reads its nodes' logits as a chain verify call would give them. `accept` picks the path
-to commit (greedy: the longest accepted; sampling: recursive rejection sampling down the tree):
-every row adopts its tokens, logits and hidden states, and the trunk cache its nodes' slots
-(`keep_path`). The rows' per-depth head caches need no copy: the next draft pass rewrites every
-slot that was not final.
+it: the tree has O = `num_nodes` distinct nodes, the pending token and the drafts). Each sequence
+keeps P rows, one per path (row b·P + p, holding the path's drafts), but the head of depth j runs
+once per node of depth j-1 (`DepthRows`), on the row of the first path through it, since every
+path through a node has the same inputs there; the node drafts its b_j children and every row
+takes its own node's draft and its parent's logits, so rows through a node agree exactly.
+Verifying is one trunk call over the O nodes of each sequence with a tree attention mask
+(`verify_pass`), one trunk cache per sequence; each path reads its nodes' logits as a chain verify
+call would give them. `accept` picks the path to commit (greedy: the longest accepted; sampling:
+recursive rejection sampling down the tree): every row adopts its tokens, logits and hidden
+states, and the trunk cache its nodes' slots (`keep_path`). Depth j's head cache has one row per node of depth j-1 and needs no copy: the
+next draft pass rewrites every slot that was not final.
 """
 
-import itertools
 import math
 from typing import NamedTuple
 
@@ -38,22 +38,24 @@ def num_paths(tree: tuple[int, ...]) -> int:
   return math.prod(tree) if tree else 1
 
 
-def path_ranks(tree: tuple[int, ...]) -> np.ndarray:
-  """[P, J]: the rank of path p's draft at depth j among its head's tokens (0 = the argmax),
-  paths in lexicographic order, so path 0 is the chain."""
-  return np.array(list(itertools.product(*(range(b) for b in tree))), np.int32).reshape(-1, len(tree))
+def level_sizes(tree: tuple[int, ...]) -> list[int]:
+  """N_0, ..., N_J: the nodes at each depth (N_0 = 1, the root)."""
+  return [math.prod(tree[:j]) for j in range(len(tree) + 1)]
+
+
+def _level_starts(tree: tuple[int, ...]) -> np.ndarray:
+  """[J+1]: each depth's first node id (nodes are numbered depth by depth: `path_nodes`)."""
+  return np.concatenate([[0, 1], 1 + np.cumsum(level_sizes(tree)[1:-1])])[:len(tree) + 1].astype(np.int32)
 
 
 def path_nodes(tree: tuple[int, ...]) -> np.ndarray:
   """[P, J+1]: the tree node that path p passes at depth j = 0..J. Node 0 is the root (the pending
   token); then come the nodes of depth 1, of depth 2, ..., each depth in lexicographic order of the
-  ranks that lead to it, so paths sharing their first j ranks share their depth-j node."""
-  sizes = np.cumprod(tree)                                   # nodes at depths 1..J
-  offsets = np.concatenate([[1], 1 + np.cumsum(sizes)[:-1]])  # each depth's first node
-  below = num_paths(tree) // sizes                           # paths under one node of each depth
-  p_P = np.arange(num_paths(tree))
-  nodes_PxJ = offsets[None, :] + p_P[:, None] // below[None, :]
-  return np.concatenate([np.zeros((len(p_P), 1), np.int64), nodes_PxJ], axis=1).astype(np.int32)
+  ranks that lead to it, so paths sharing their first j ranks share their depth-j node, and node
+  k's children at the next depth are k·b + 0..b-1 among that depth's nodes."""
+  paths = num_paths(tree)
+  below_J1 = paths // np.array(level_sizes(tree))  # paths under one node of each depth
+  return (_level_starts(tree)[None, :] + np.arange(paths)[:, None] // below_J1[None, :]).astype(np.int32)
 
 
 def num_nodes(tree: tuple[int, ...]) -> int:
@@ -75,32 +77,29 @@ def node_table(tree: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 
 class DepthRows(NamedTuple):
-  """How the R rows of a tree draft depth j (`depth_rows`)."""
-  rank_R: np.ndarray    # the rank of the row's depth-j draft among its siblings
-  width: int            # b_j, the siblings per parent
-  parent_R: np.ndarray  # the row whose logits the row reads: the first path through its depth-(j-1) node
-  node_R: np.ndarray    # the row whose draft the row takes: the first path through its depth-j node
+  """How a tree drafts depth j (`depth_rows`): the head runs once per node of depth j-1, on one
+  group row each (G = B·N rows, N the nodes of depth j-1), not once per path."""
+  width: int             # b_j: the children each node of depth j-1 drafts
+  group_G: np.ndarray    # the row that stands for each group: the first path through its node
+  parent_R: np.ndarray   # each row's group (its depth-(j-1) node): the draft logits it reads
+  node_R: np.ndarray     # each row's depth-j node, as an index into the groups' drafts (G·b_j of them)
 
 
 def depth_rows(tree: tuple[int, ...], rows: int, j: int) -> DepthRows:
-  """`DepthRows` of depth j (1-based) for R = B·P rows. Siblings have distinct first paths, so
-  sampled siblings are independent draws from their parent's one distribution."""
-  paths = num_paths(tree)
-  owner_PxJ1 = node_table(tree)[1][path_nodes(tree)]
-  owner_RxJ1 = np.repeat(np.arange(rows // paths) * paths, paths)[:, None] + np.tile(owner_PxJ1, (rows // paths, 1))
-  return DepthRows(np.tile(path_ranks(tree)[:, j - 1], rows // paths), tree[j - 1],
-                   owner_RxJ1[:, j - 1], owner_RxJ1[:, j])
+  """`DepthRows` of depth j (1-based) for R = B·P rows: group g's b_j drafts, flattened, are the
+  depth-j nodes in order (`path_nodes`)."""
+  paths, sizes, first = num_paths(tree), level_sizes(tree), _level_starts(tree)
+  nodes_PxJ1, path_O = path_nodes(tree), node_table(tree)[1]
+  batch_B = np.arange(rows // paths)
+  group_G = batch_B[:, None] * paths + path_O[first[j - 1] + np.arange(sizes[j - 1])]
+  parent_R = batch_B[:, None] * sizes[j - 1] + nodes_PxJ1[:, j - 1] - first[j - 1]
+  node_R = batch_B[:, None] * sizes[j] + nodes_PxJ1[:, j] - first[j]
+  return DepthRows(tree[j - 1], group_G.ravel(), parent_R.ravel(), node_R.ravel())
 
 
 def tile(state, paths: int, batch: int):
   """Every per-sequence array of a decoding state (leading axis `batch`) repeated as P rows."""
   return jax.tree.map(lambda x: jnp.repeat(x, paths, axis=0) if x.ndim and x.shape[0] == batch else x, state)
-
-
-def ranked(logits_RxV, ranks_R, width: int):
-  """Row r's token of rank ranks_R[r] in its logits (rank < width; ties: the lower index first)."""
-  top_RxW = jax.lax.top_k(logits_RxV, width)[1]
-  return jnp.take_along_axis(top_RxW, ranks_R[:, None], axis=1)[:, 0].astype(jnp.int32)
 
 
 def winners(accepted_R, paths: int):
