@@ -124,6 +124,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.base = ml_collections.ConfigDict()  # experiment protocol: continued pre-training from a base LM
   c.base.steps = 0                # >0: pretrain a plain LM (K=0) this long once per model and data
                                   # config, cached under runs/_base/, and start every variant from it
+  c.base.seed = -1                # the base LM's seed (init and data order); -1 = each run's own, so each
+                                  # seed of a sweep pretrains its own base; >= 0: one base for all seeds,
+                                  # which then vary only the variant (narrower paired intervals)
   c.seeds = 1                     # runs per sweep point; seed i shifts both init and data order
 
   c.eval = ml_collections.ConfigDict()  # decoding evaluation after training (eval.json, eval.md)

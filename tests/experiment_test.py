@@ -101,3 +101,17 @@ def test_paper_config_quick_sweep(name, tmp_path, shared_env):
     for label, (run,) in results.items():
       if 'trained' in label:
         assert os.path.basename(run['model_dir']).startswith('heads_'), label
+
+
+def test_a_fixed_base_seed_gives_every_seed_one_base_model_and_keeps_the_variants_seeds():
+  from configs import base
+  from mtpd_jax.harness import experiment
+  c = base.get_config()
+  c.base.steps = 10
+  own = [experiment.with_base(experiment.with_seed(c, i)).train.init_from for i in range(3)]
+  c.base.seed = 0
+  fixed = [experiment.with_base(experiment.with_seed(c, i)) for i in range(3)]
+  assert len(set(own)) == 3 and {f.train.init_from for f in fixed} == {own[0]}  # seed 0's own base, reused
+  assert [(f.seed, f.data.seed) for f in fixed] == [(0, 0), (1, 1), (2, 2)]  # the variants still vary
+  base_lm = experiment.base_config(fixed[2])
+  assert (base_lm.seed, base_lm.data.seed, base_lm.mtp.num_heads) == (0, 0, 0)

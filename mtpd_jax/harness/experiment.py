@@ -25,9 +25,18 @@ def _digest(obj) -> str:
   return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+def _base_seeds(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`config` with the base LM's seeds: `base.seed` for both init and data order when it is >= 0
+  (one base model for every seed of a sweep), else the run's own."""
+  c = copy.deepcopy(config)
+  if config.base.seed >= 0:
+    c.seed, c.data.seed = config.base.seed, config.base.seed
+  return c
+
+
 def base_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The plain LM (K=0) that every variant of `config` continues from."""
-  c = copy.deepcopy(config)
+  c = _base_seeds(config)
   c.mtp.num_heads, c.distill.enabled, c.looped.schedule = 0, False, ()
   c.train.steps, c.train.trainable, c.train.init_from = config.base.steps, 'all', ''
   c.distill.beta, c.eval.enabled = None, False
@@ -36,6 +45,7 @@ def base_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 def base_workdir(config: ml_collections.ConfigDict, root: str) -> str:
   """runs/_base/<hash of everything the base model depends on>."""
+  config = _base_seeds(config)
   key = {k: config[k].to_dict() for k in ('model', 'data')}
   key.update(train={k: v for k, v in config.train.to_dict().items() if k not in ('init_from', 'trainable')},
              seed=config.seed, steps=config.base.steps)

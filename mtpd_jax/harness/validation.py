@@ -226,6 +226,7 @@ FIELD_RULES: dict[str, Rule] = {
     'looped.schedule': Rule('() | increasing head counts >= 1', _increasing_heads),
     'looped.stage_steps': integer(1),
     'base.steps': integer(0),
+    'base.seed': integer(-1),
     'seeds': integer(1),
     'eval.enabled': flag(),
     'eval.prompt_sets': Rule(f'names from {corpus.PROMPT_SETS}', _prompt_sets),
