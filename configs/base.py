@@ -126,7 +126,7 @@ def get_config() -> ml_collections.ConfigDict:
                                   # config, cached under runs/_base/, and start every variant from it
   c.base.seed = -1                # the base LM's seed (init and data order); -1 = each run's own, so each
                                   # seed of a sweep pretrains its own base; >= 0: one base for all seeds,
-                                  # which then vary only the variant (narrower paired intervals)
+                                  # which then vary only the variant, not the base model
   c.seeds = 1                     # runs per sweep point; seed i shifts both init and data order
 
   c.eval = ml_collections.ConfigDict()  # decoding evaluation after training (eval.json, eval.md)
