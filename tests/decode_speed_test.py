@@ -28,26 +28,27 @@ def _check_run(r: dict, depth: int) -> None:
 def test_tiny_quick(tmp_path):
   out = tmp_path / 'decode_speed.json'
   results = decode_speed.main(decode_speed.parse_args(
-      QUICK + ['--train_steps=20', '--depths=6', '--draft_min_prob=0,0.5', '--tree=2,1,1,1,1,1', f'--out={out}']))
+      QUICK + ['--train_steps=20', '--num_heads=2', '--num_layers=2', '--depths=3', '--draft_min_prob=0,0.5',
+               '--tree=2,1,1', f'--out={out}']))
   saved = json.loads(out.read_text())
   assert set(saved) >= {'model', 'num_heads', 'train_s', 'args', 'model_config', 'sets', 'meta', 'adaptive_effect',
                         'tree_effect'}
   assert saved['meta']['command'] and saved['meta']['date'].startswith('20')
   assert list(saved['sets']) == ['synthetic'] and list(saved['sets']['synthetic']) == ['b1']
-  for key, p in (('depth6_mp0', 0.0), ('depth6_mp0.5', 0.5)):  # depth 6 loops heads 1 and 2 again
+  for key, p in (('depth3_mp0', 0.0), ('depth3_mp0.5', 0.5)):  # depth 3 loops head 1 again
     r = saved['sets']['synthetic']['b1'][key]
-    _check_run(r, 6)
+    _check_run(r, 3)
     assert r['new_tokens'] == 2 * 8 and r['draft_min_prob'] == p  # no stop tokens in the tiny mode
     assert results['sets']['synthetic']['b1'][key]['lossless'] is True
-  tree = saved['sets']['synthetic']['b1']['depth6_mp0_tree']
-  assert tree['tree'] == [2, 1, 1, 1, 1, 1] and tree['lossless'] is True
-  assert saved['tree_effect']['synthetic/b1/depth6_mp0']['accept_len'] == tree['accept_len']
-  assert 'depth6_mp0.5_tree' in saved['sets']['synthetic']['b1']  # adaptive depth works on trees too
-  effect = saved['adaptive_effect']['synthetic/b1/depth6']['0.5']
-  adaptive = saved['sets']['synthetic']['b1']['depth6_mp0.5']
+  tree = saved['sets']['synthetic']['b1']['depth3_mp0_tree']
+  assert tree['tree'] == [2, 1, 1] and tree['lossless'] is True
+  assert saved['tree_effect']['synthetic/b1/depth3_mp0']['accept_len'] == tree['accept_len']
+  assert saved['sets']['synthetic']['b1']['depth3_mp0.5_tree']['lossless'] is True  # adaptive depth on a tree
+  effect = saved['adaptive_effect']['synthetic/b1/depth3']['0.5']
+  adaptive = saved['sets']['synthetic']['b1']['depth3_mp0.5']
   assert effect['tokens_per_forward'] == adaptive['tokens_per_forward'] and effect['lossless'] is True
   assert effect['spec_tokens_per_s_over_full'] == pytest.approx(
-      adaptive['spec_tokens_per_s'] / saved['sets']['synthetic']['b1']['depth6_mp0']['spec_tokens_per_s'])
+      adaptive['spec_tokens_per_s'] / saved['sets']['synthetic']['b1']['depth3_mp0']['spec_tokens_per_s'])
 
 
 def test_parse_args_fills_per_model_defaults():
