@@ -13,8 +13,8 @@ Verifying is one trunk call over the O nodes of each sequence with a tree attent
 (`verify_pass`), one trunk cache per sequence; each path reads its nodes' logits as a chain verify
 call would give them. `accept` picks the path to commit (greedy: the longest accepted; sampling:
 recursive rejection sampling down the tree): every row adopts its tokens, logits and hidden
-states, and the trunk cache its nodes' slots (`keep_path`). Depth j's head cache has one row per node of depth j-1 and needs no copy: the
-next draft pass rewrites every slot that was not final.
+states, and the trunk cache its nodes' slots (`keep_path`). Depth j's head cache has one row per
+node of depth j-1 and needs no copy: the next draft pass rewrites every slot that was not final.
 """
 
 import math
