@@ -160,6 +160,18 @@ def _chi_square(model, prompt, law, samples=SAMPLES, **kwargs):
   return scipy.stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue, counts[expected == 0].sum()
 
 
+def _chi_square_with(monkeypatch, patch, model, prompt, law, **kwargs):
+  """`_chi_square` with `patch` = (module, name, broken rule) in place while decoding (None: none)."""
+  if patch is not None:
+    monkeypatch.setattr(*patch)
+  jax.clear_caches()  # the rule is traced into the compiled decoder
+  try:
+    return _chi_square(model, prompt, law, **kwargs)
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
 @pytest.fixture(scope='module')
 def sampling_setup():
   model = MTPTransformer(CFG8, rngs=nnx.Rngs(3))
@@ -176,14 +188,8 @@ def test_plain_sampling_matches_the_enumerated_law(sampling_setup):
 @pytest.mark.parametrize('rule', [None, *BROKEN_RULES])
 def test_speculative_sampling_is_lossless_and_catches_wrong_rules(sampling_setup, rule, monkeypatch):
   model, prompt, law = sampling_setup
-  if rule is not None:
-    monkeypatch.setattr(sampling, 'accept_draft', BROKEN_RULES[rule])
-  jax.clear_caches()  # the rule is traced into the compiled decoder
-  try:
-    pvalue, impossible = _chi_square(model, prompt, law, draft_depth=2, seed=1)
-  finally:
-    monkeypatch.undo()
-    jax.clear_caches()
+  patch = None if rule is None else (sampling, 'accept_draft', BROKEN_RULES[rule])
+  pvalue, impossible = _chi_square_with(monkeypatch, patch, model, prompt, law, draft_depth=2, seed=1)
   if rule is None:
     assert pvalue > 1e-3 and impossible == 0  # tokens outside the top-p nucleus never appear
   else:
@@ -274,14 +280,9 @@ def test_speculative_sampling_with_adaptive_depth_is_lossless_and_catches_a_draw
   """Drafts past the confident prefix are not proposed: the token after them comes from p itself.
   Cutting on the drawn draft's own probability instead biases the output, and the test sees it."""
   model, prompt, law = sampling_setup
-  if broken:
-    monkeypatch.setattr(decode, 'draft_confidence', _drawn_draft_probability)
-  jax.clear_caches()  # the rule is traced into the compiled decoder
-  try:
-    pvalue, impossible = _chi_square(model, prompt, law, draft_depth=2, seed=3, draft_min_prob=0.4)
-  finally:
-    monkeypatch.undo()
-    jax.clear_caches()
+  patch = (decode, 'draft_confidence', _drawn_draft_probability) if broken else None
+  pvalue, impossible = _chi_square_with(monkeypatch, patch, model, prompt, law, draft_depth=2, seed=3,
+                                        draft_min_prob=0.4)
   if broken:
     assert pvalue < 1e-6, 'the chi-square test misses a draw-dependent cut'
   else:
@@ -302,14 +303,9 @@ def test_sampled_tree_is_lossless_and_catches_siblings_tested_without_the_residu
   with adaptive depth and a draft vocabulary too; testing each sibling against the full p instead
   of the residual that its elder siblings' rejections leave biases the output, and the test sees it."""
   model, prompt, law = sampling_setup
-  if broken:
-    monkeypatch.setattr(sampling, 'residual', _no_residual)
-  jax.clear_caches()  # the rule is traced into the compiled decoder
-  try:
-    pvalue, impossible = _chi_square(model, prompt, law, draft_depth=len(tree), seed=4, tree=tree, **kwargs)
-  finally:
-    monkeypatch.undo()
-    jax.clear_caches()
+  patch = (sampling, 'residual', _no_residual) if broken else None
+  pvalue, impossible = _chi_square_with(monkeypatch, patch, model, prompt, law, draft_depth=len(tree), seed=4,
+                                        tree=tree, **kwargs)
   if broken:
     assert pvalue < 1e-6, 'the chi-square test misses siblings tested without the residual'
   else:
