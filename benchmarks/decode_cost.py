@@ -8,6 +8,9 @@ of a step are then jitted and timed alone at the same shapes: the verify trunk (
 the KV cache), the verify logits (J+1 rows), one draft depth's head block (a 2J-position window) and
 its logits (one row; over the draft vocabulary with --draft_vocab). `rest` is the step less those parts
 (state bookkeeping, cache writes, masks, sampling). Heads are random: only costs are measured.
+With --standard_layout (the default) every setting is also timed with the matrices in their
+training layout, x @ W (keys `..._standard`, and spec_over_plain_j1_standard etc.), alternating
+with the decoding default (out-major on CPU, W @ x^T: decode.split, docs/design.md "Decoding cost").
 
 The memory bound: at batch 1 a step reads the trunk, the unembedding once per verified batch of rows
 and once per draft depth, each head block once, and the KV caches. `read_gb_per_s` is measured in this
@@ -43,6 +46,9 @@ flags.DEFINE_string('depths', '0,1,2,4,8', 'draft depths J; 0 = plain (always ti
 flags.DEFINE_integer('prompt_len', 64, 'prompt tokens (the cache holds these + new)', flag_values=FLAGS)
 flags.DEFINE_integer('max_new_tokens', 128, 'new tokens (sizes the KV cache)', flag_values=FLAGS)
 flags.DEFINE_integer('draft_vocab', 0, "also time J=4 with drafts over the V' lowest ids", flag_values=FLAGS)
+flags.DEFINE_boolean('standard_layout', True, 'also time every setting with the matrices in their '
+                     'training layout (x @ W), beside the default out-major one on CPU (decode.split)',
+                     flag_values=FLAGS)
 flags.DEFINE_integer('steps', 32, 'timed steps per loop', flag_values=FLAGS)
 flags.DEFINE_integer('repeats', 3, 'timed repeats of each loop (the best counts)', flag_values=FLAGS)
 common.define_results_dir(FLAGS)
@@ -95,7 +101,7 @@ def parts_ms(model: MTPTransformer, b: int, j: int, s: int, vocab_size: int, rep
   @jax.jit
   def logits(leaves, h_BxTxD, cols):
     model = structure.merge(leaves)
-    return model.logits(h_BxTxD, None if cols is None else jnp.take(model.unembedding(), cols, axis=1))
+    return model.logits(h_BxTxD, None if cols is None else decode.draft_vocab(model, cols).w)
 
   out = {'verify_trunk': _best_ms(verify_trunk, leaves, caches, repeats=repeats),
          'verify_logits': _best_ms(logits, leaves, jnp.ones((b, j + 1, cfg.dim)), None, repeats=repeats)}
@@ -147,8 +153,13 @@ def main(args: types.SimpleNamespace) -> dict:
     if args.draft_vocab and 4 in depths:
       settings['j4_draft_vocab'] = decode.DecodeOptions(args.max_new_tokens, 4)
       vocabs['j4_draft_vocab'] = np.arange(args.draft_vocab, dtype=np.int32)
-    seconds = evaluate.step_seconds(model, prompts, settings, pad_multiple=16, num_steps=args.steps,
-                                    repeats=args.repeats, draft_vocabs=vocabs)
+    layouts = {}
+    if args.standard_layout:  # the same settings with x @ W, alternating with the default layout's
+      layouts = {f'{name}_standard': False for name in settings}
+      vocabs.update({f'{name}_standard': vocabs[name] for name in vocabs})
+    seconds = evaluate.step_seconds(model, prompts, {**settings, **{n: settings[n[:-9]] for n in layouts}},
+                                    pad_multiple=16, num_steps=args.steps, repeats=args.repeats,
+                                    draft_vocabs=vocabs, out_major=layouts)
     p = -(-args.prompt_len // 16) * 16
     row = {}
     for name, opts in settings.items():
@@ -163,15 +174,19 @@ def main(args: types.SimpleNamespace) -> dict:
       bound_ms = 1e3 * nbytes['total'] / (bandwidth * 1e9)
       row[name] = {'step_ms': step_ms, 'parts_ms': parts, 'bytes': nbytes, 'bound_ms': bound_ms,
                    'over_bound': step_ms / bound_ms, 'over_plain': step_ms / (1e3 * seconds['j0'])}
+    for name in layouts:
+      row[name] = {'step_ms': 1e3 * seconds[name], 'over_plain': seconds[name] / seconds['j0_standard']}
     results['batches'][b] = row
     for name, r in row.items():
       results[f'b{b}/{name}/step_ms'] = r['step_ms']
       results[f'b{b}/{name}/over_plain'] = r['over_plain']
-      results[f'b{b}/{name}/over_bound'] = r['over_bound']
+      if 'over_bound' in r:
+        results[f'b{b}/{name}/over_bound'] = r['over_bound']
   first = results['batches'][int(args.batch_sizes.split(',')[0])]
   for j in (1, 4):
-    if f'j{j}' in first:
-      results[f'spec_over_plain_j{j}'] = first[f'j{j}']['over_plain']
+    for suffix in ('', '_standard'):
+      if f'j{j}{suffix}' in first:
+        results[f'spec_over_plain_j{j}{suffix}'] = first[f'j{j}{suffix}']['over_plain']
   results['plain_over_bound'] = first['j0']['over_bound']
   common.write_results('decode_cost', results, args.results_dir)
   return results

@@ -32,15 +32,10 @@ L-1 on (committed tokens, d_1..d_{j-1}), whatever was accepted or rolled back be
 model's own greedy output the online acceptances thus equal the teacher-forced agreement chains.
 The price is 2J positions per head call instead of one (same number of sequential calls).
 
-Adaptive depth (`draft_min_prob` > 0; docs/design.md, "Decoding cost"): a sequence proposes
-drafts d_1..d_n, n the number of leading depths whose head put a probability of at least
-`draft_min_prob` on its most likely token (under the distribution drafts are drawn from; greedy:
-the draft's own probability). That is known before a sampled draft is drawn, so the choice to
-propose never depends on the draw, which keeps sampling lossless. Verification rejects drafts
-past n (and, sampling, treats their q as 0, so the token after n acceptances is drawn from p
-itself): the output is unchanged, greedy or sampled. Every depth still re-runs its window (the
-cache scheme needs it), but the logits of a depth where no sequence of the batch still drafts,
-the largest part of a depth's cost at a large vocabulary, are skipped.
+Adaptive depth (`draft_min_prob` > 0; docs/design.md, "Decoding cost"): a sequence proposes the
+leading drafts whose head put at least `draft_min_prob` on its most likely token, a choice made
+before any draw, so sampling stays lossless; verification rejects the rest (sampled: with q = 0),
+and the logits of a depth where no sequence of the batch still drafts are skipped.
 
 Tree drafts (`tree`; mtpd_jax/draft_tree.py): each path is a batch row holding a chain as above,
 whose depth j runs once per node of depth j-1; one tree attention pass verifies the distinct
@@ -61,7 +56,8 @@ import numpy as np
 from flax import nnx
 
 from mtpd_jax import draft_tree, sampling
-from mtpd_jax.model import Cache, ModelConfig, MTPTransformer, attention_mask, cache_mask, init_cache
+from mtpd_jax.model import (Cache, ModelConfig, MTPTransformer, attention_mask, cache_mask, init_cache,
+                            out_major_params, set_out_major)
 from mtpd_jax.shifts import shift_left
 
 
@@ -100,20 +96,17 @@ class DecodeState(NamedTuple):
 
 
 class DraftVocab(NamedTuple):
-  """A draft vocabulary: drafts are chosen among U token ids only, by U columns of the unembedding.
-
-  Verification always uses the main head over the whole vocabulary, so decoding stays lossless:
-  greedy drafts are just other guesses, and a sampled draft's q is a proper distribution over the
-  U ids (zero elsewhere), which the min(1, p/q) rule accepts exactly (docs/design.md, decoding).
-  """
+  """A draft vocabulary: drafts are chosen among U token ids only. Verification uses the main head
+  over the whole vocabulary, so decoding stays lossless: a sampled draft's q is a proper
+  distribution over the U ids, zero elsewhere, which min(1, p/q) accepts exactly (docs/design.md)."""
   ids_U: jax.Array    # int32 token ids
-  w_DxU: jax.Array    # their columns of the unembedding
+  w: jax.Array        # their entries of the model's `output_matrix()` (D x U, or U x D out-major)
 
 
 def draft_vocab(model: MTPTransformer, ids_U) -> DraftVocab:
   """The draft vocabulary of these token ids (gathered once, outside the decoding loop)."""
   ids_U = jnp.asarray(ids_U, jnp.int32)
-  return DraftVocab(ids_U, jnp.take(model.unembedding(), ids_U, axis=1))
+  return DraftVocab(ids_U, jnp.take(model.output_matrix(), ids_U, axis=0 if model.out_major else 1))
 
 
 def head_for_depth(j: int, num_heads: int) -> int:
@@ -240,7 +233,7 @@ def _choose_draft(model: MTPTransformer, vocab: DraftVocab | None, opts: DecodeO
   tree (`rows`): h holds one row per parent node, which drafts its b_j children (greedy: ranks
   0..b_j-1; sampling: independent draws), and each path's row takes its node's draft and its
   parent's logits."""
-  logits_BxU = model.logits(h_Bx1xD, None if vocab is None else vocab.w_DxU)[:, 0]
+  logits_BxU = model.logits(h_Bx1xD, None if vocab is None else vocab.w)[:, 0]
   width = 1 if rows is None else rows.width
   draft_BxW = None
   if not opts.temperature:  # greedy needs only the argmax (or the top b_j) among the U columns
@@ -296,28 +289,36 @@ def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Structure:
-  """A model's graphdef and parameter treedef: one static jit argument, hashed once (not per call)."""
+  """A model's graphdef and parameter treedef: one static jit argument, hashed once (not per call).
+  `out_major`: the leaves hold the dense matrices out-major (`model.out_major_params`)."""
   graphdef: nnx.GraphDef
   treedef: Any
   digest: int
   cfg: ModelConfig
+  out_major: bool = False
 
   def __hash__(self):
     return self.digest
 
   def __eq__(self, other):
-    return self is other or (isinstance(other, Structure) and self.digest == other.digest
-                             and self.treedef == other.treedef and self.graphdef == other.graphdef)
+    return self is other or (isinstance(other, Structure) and (self.digest, self.out_major, self.treedef)
+                             == (other.digest, other.out_major, other.treedef) and self.graphdef == other.graphdef)
 
   def merge(self, leaves) -> MTPTransformer:
-    return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+    model = nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+    return set_out_major(model) if self.out_major else model
 
 
-def split(model: MTPTransformer) -> tuple[Structure, list[jax.Array]]:
-  """(structure, parameter leaves): what the jitted functions below take, cheap to pass per call."""
+def split(model: MTPTransformer, out_major: bool | None = None) -> tuple[Structure, list[jax.Array]]:
+  """(structure, parameter leaves): what the jitted functions below take, cheap to pass per call.
+
+  `out_major` (default: on the CPU backend) copies the dense matrices out-major once, here: XLA:CPU's
+  fast orientation for a step's few rows (docs/design.md, "Decoding cost"; `model.dense`).
+  """
+  out_major = jax.default_backend() == 'cpu' if out_major is None else out_major
   graphdef, params = nnx.split(model, nnx.Param)
-  leaves, treedef = jax.tree.flatten(params)
-  return Structure(graphdef, treedef, hash((graphdef, treedef)), model.cfg), leaves
+  leaves, treedef = jax.tree.flatten(out_major_params(model, params) if out_major else params)
+  return Structure(graphdef, treedef, hash((graphdef, treedef, out_major)), model.cfg, out_major), leaves
 
 
 def decoding_model(structure: Structure, leaves) -> MTPTransformer:
@@ -397,11 +398,9 @@ class Generation(NamedTuple):
 def generate(model: MTPTransformer, prompts, **kwargs) -> Generation:
   """Decode a batch of token-id prompts: plain when draft_depth == 0, else self-speculative.
 
-  Keyword arguments (see `generate_split`): max_new_tokens, draft_depth (J; above K loops the
-  heads), temperature (0 = greedy), top_p, stop_tokens, seed, pad_multiple, draft_vocab (token
-  ids that drafts are chosen from, e.g. `frequent_tokens`; None = the whole vocabulary),
-  draft_min_prob (adaptive depth: a sequence stops drafting at the first depth whose head's top
-  probability is below it; 0 = always draft_depth), tree (the branching per depth, e.g. (3, 2)).
+  Keyword arguments (see `generate_split`): the fields of `DecodeOptions` (draft_depth above K
+  loops the heads), seed, pad_multiple, and draft_vocab (token ids that drafts are chosen from,
+  e.g. `frequent_tokens`; None = the whole vocabulary).
   """
   return generate_split(*split(model), prompts, **kwargs)
 
@@ -447,4 +446,4 @@ def looped_forward(model: MTPTransformer, tokens_BxT, draft_depth: int):
 
   Depth j at position i runs head ((j-1) mod K)+1 on h^{j-1}_i and token i+j.
   """
-  return _looped_forward(*split(model), jnp.asarray(tokens_BxT, jnp.int32), draft_depth)
+  return _looped_forward(*split(model, out_major=False), jnp.asarray(tokens_BxT, jnp.int32), draft_depth)

@@ -9,14 +9,20 @@ Every method is a pure function of its arguments (KV caches are passed in and re
 same module serves training (`__call__`) and cached decoding (`trunk`, `mtp_head`, `logits`).
 With `moe.num_experts > 0` every block's feed-forward (trunk and MTP heads) is a Mixture of
 Experts (moe.py); `__call__` applies its capacity limit, `trunk` and `mtp_head` are dropless.
+
+Every matrix product goes through `dense`. Decoding on CPU stores the dense matrices out-major
+(`out_major_params`, `set_out_major`): the same model then runs W @ x^T, the orientation that
+XLA:CPU's kernels run fastest for the few rows of a decoding step (docs/design.md, "Decoding cost").
 """
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from mtpd_jax.moe import MoE, MoEConfig, summarize
 from mtpd_jax.shifts import shift_left
@@ -78,6 +84,24 @@ class ParamKeys:
 
   def close(self) -> None:
     self._stream.count[...] = self._count + self._n
+
+
+def dense(spec: str, x, w, out_major: bool = False, preferred_element_type=None):
+  """einsum(spec, x, w) of x's trailing axes with w's leading ones, w cast to x's dtype.
+
+  `out_major`: w is stored as one O x I matrix (`out_major_params`) and the product runs as
+  W @ x^T, held in that orientation by an optimisation barrier (XLA would otherwise fold the
+  transpose back into the product). XLA:CPU runs that at about the one-row speed for up to ~64
+  rows, where x @ W of 2-9 rows takes a general kernel that reads W at half the rate
+  (docs/design.md, "Decoding cost"). The result then ends in one axis of size O.
+  """
+  w = w.astype(x.dtype)
+  if not out_major:
+    return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
+  x_axes, w_axes = spec.split('->')[0].split(',')
+  lead = x.shape[:x.ndim - len(set(x_axes) & set(w_axes))]
+  y_OxN = jnp.matmul(w, x.reshape(-1, w.shape[1]).T, preferred_element_type=preferred_element_type)
+  return lax.optimization_barrier(y_OxN).T.reshape(*lead, w.shape[0])
 
 
 def _param(rngs: nnx.Rngs | ParamKeys, init, shape, axes) -> nnx.Param:
@@ -146,6 +170,8 @@ def init_cache(cfg: ModelConfig, batch: int, cache_len: int, num_layers: int) ->
 
 class Attention(nnx.Module):
   """Grouped-query attention with RoPE and optional qk-norm; writes its KV cache by position."""
+  MATRICES = {'wq': 1, 'wk': 1, 'wv': 1, 'wo': 2}  # matrix: its leading (input) axes (`dense`)
+  out_major = False
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, h, g, e = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -161,10 +187,12 @@ class Attention(nnx.Module):
   def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None, slots_BxT=None):
     """`slots_BxT`: the cache slots this call writes (default: the positions; a tree pass writes
     nodes that share a position into slots of their own)."""
-    cfg, dt = self.cfg, x_BxTxD.dtype
-    q_BxTxHxE = jnp.einsum('btd,dhe->bthe', x_BxTxD, self.wq[...].astype(dt))
-    k_BxTxGxE = jnp.einsum('btd,dge->btge', x_BxTxD, self.wk[...].astype(dt))
-    v_BxTxGxE = jnp.einsum('btd,dge->btge', x_BxTxD, self.wv[...].astype(dt))
+    cfg, om = self.cfg, self.out_major
+    b, t, _ = x_BxTxD.shape
+    h, g, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q_BxTxHxE = dense('btd,dhe->bthe', x_BxTxD, self.wq[...], om).reshape(b, t, h, e)
+    k_BxTxGxE = dense('btd,dge->btge', x_BxTxD, self.wk[...], om).reshape(b, t, g, e)
+    v_BxTxGxE = dense('btd,dge->btge', x_BxTxD, self.wv[...], om).reshape(b, t, g, e)
     if cfg.qk_norm:
       q_BxTxHxE, k_BxTxGxE = self.q_norm(q_BxTxHxE), self.k_norm(k_BxTxGxE)
     q_BxTxHxE = rope(q_BxTxHxE, positions_BxT, cfg.rope_base, cfg.rope_interleaved)
@@ -177,20 +205,20 @@ class Attention(nnx.Module):
       k_BxGxSxE, v_BxGxSxE = cache['k'], cache['v']
     else:
       k_BxGxSxE, v_BxGxSxE = k_BxTxGxE.transpose(0, 2, 1, 3), v_BxTxGxE.transpose(0, 2, 1, 3)
-    b, t, h, e = q_BxTxHxE.shape
-    g = cfg.num_kv_heads
     q_BxTxGxQxE = q_BxTxHxE.reshape(b, t, g, h // g, e)
     scores_BxGxQxTxS = jnp.einsum('btgqe,bgse->bgqts', q_BxTxGxQxE, k_BxGxSxE,
                                   preferred_element_type=jnp.float32) / jnp.sqrt(e).astype(jnp.float32)
     scores_BxGxQxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxGxQxTxS, -1e30)
-    probs_BxGxQxTxS = jax.nn.softmax(scores_BxGxQxTxS, axis=-1).astype(dt)  # softmax in f32
+    probs_BxGxQxTxS = jax.nn.softmax(scores_BxGxQxTxS, axis=-1).astype(x_BxTxD.dtype)  # softmax in f32
     out_BxTxGxQxE = jnp.einsum('bgqts,bgse->btgqe', probs_BxGxQxTxS, v_BxGxSxE)
-    out_BxTxD = jnp.einsum('bthe,hed->btd', out_BxTxGxQxE.reshape(b, t, h, e), self.wo[...].astype(dt))
+    out_BxTxD = dense('bthe,hed->btd', out_BxTxGxQxE.reshape(b, t, h, e), self.wo[...], om)
     return out_BxTxD, cache
 
 
 class MLP(nnx.Module):
   """SwiGLU feed-forward of width `width` (default cfg.mlp_dim)."""
+  MATRICES = {'w_gate': 1, 'w_up': 1, 'w_down': 1}
+  out_major = False
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
     d, f = cfg.dim, width or cfg.mlp_dim
@@ -199,10 +227,10 @@ class MLP(nnx.Module):
     self.w_down = _param(rngs, _dense_init, (f, d), ('mlp', 'embed'))
 
   def __call__(self, x_BxTxD):
-    dt = x_BxTxD.dtype
-    gate_BxTxF = jnp.einsum('btd,df->btf', x_BxTxD, self.w_gate[...].astype(dt))
-    up_BxTxF = jnp.einsum('btd,df->btf', x_BxTxD, self.w_up[...].astype(dt))
-    return jnp.einsum('btf,fd->btd', jax.nn.silu(gate_BxTxF) * up_BxTxF, self.w_down[...].astype(dt))
+    om = self.out_major
+    gate_BxTxF = dense('btd,df->btf', x_BxTxD, self.w_gate[...], om)
+    up_BxTxF = dense('btd,df->btf', x_BxTxD, self.w_up[...], om)
+    return dense('btf,fd->btd', jax.nn.silu(gate_BxTxF) * up_BxTxF, self.w_down[...], om)
 
 
 class Block(nnx.Module):
@@ -244,6 +272,8 @@ def _run_block(block: Block, remat: bool, *args, **moe_flags):
 
 class MTPHead(nnx.Module):
   """DeepSeek-V3 MTP module k: h^k_i = TRM_k(M_k [RMSNorm(h^{k-1}_i); RMSNorm(Emb(t_{i+k}))])."""
+  MATRICES = {'proj': 1}
+  out_major = False
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.hidden_norm = RMSNorm(cfg.dim, cfg.norm_eps, rngs)
@@ -255,9 +285,8 @@ class MTPHead(nnx.Module):
   def __call__(self, h_prev_BxTxD, emb_BxTxD, positions_BxT, mask_BxTxS, cache: Cache | None = None, *,
                dropless: bool = True, move_bias: bool = False):
     """(h^k, cache, routing stats or None)."""
-    dt = h_prev_BxTxD.dtype
     x_BxTx2D = jnp.concatenate([self.hidden_norm(h_prev_BxTxD), self.embed_norm(emb_BxTxD)], axis=-1)
-    x_BxTxD = jnp.einsum('btc,cd->btd', x_BxTx2D, self.proj[...].astype(dt))
+    x_BxTxD = dense('btc,cd->btd', x_BxTx2D, self.proj[...], self.out_major)
     return _run_block(self.block, self.remat, x_BxTxD, positions_BxT, mask_BxTxS, cache, dropless=dropless,
                       move_bias=move_bias)
 
@@ -277,6 +306,8 @@ def _positions_and_mask(tokens_BxT, segment_ids_BxT):
 
 class MTPTransformer(nnx.Module):
   """Trunk + shared output head + K MTP heads; embedding and output head are shared by all heads."""
+  MATRICES = {'unembed': 1}  # untied only; the tied embedding (V x D) is out-major as it is
+  out_major = False
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -312,17 +343,23 @@ class MTPTransformer(nnx.Module):
 
   def unembedding(self):
     """The output head's matrix D x V (the embedding's transpose when tied)."""
-    return self.embed[...].T if self.cfg.tie_embeddings else self.unembed[...]
+    return self.output_matrix().T if self.out_major else self.output_matrix()
 
-  def logits(self, h_BxTxD, w_DxV=None):
+  def output_matrix(self):
+    """The output head's matrix as `logits` reads it: D x V, or V x D when out-major."""
+    if self.cfg.tie_embeddings:
+      return self.embed[...] if self.out_major else self.embed[...].T
+    return self.unembed[...]
+
+  def logits(self, h_BxTxD, w=None):
     """Shared output head (final RMSNorm + unembedding), returned in f32.
 
-    `w_DxV` replaces the unembedding, e.g. by some of its columns (decoding's draft vocabulary).
+    `w` replaces `output_matrix()`, e.g. by some of its vocabulary entries (decoding's draft
+    vocabulary), in the same layout.
     """
     x_BxTxD = self.final_norm(h_BxTxD)
-    w_DxV = self.unembedding() if w_DxV is None else w_DxV
-    return jnp.einsum('btd,dv->btv', x_BxTxD, w_DxV.astype(x_BxTxD.dtype),
-                      preferred_element_type=jnp.float32)
+    w = self.output_matrix() if w is None else w
+    return dense('btd,dv->btv', x_BxTxD, w, self.out_major, preferred_element_type=jnp.float32)
 
   def mtp_head(self, k: int, h_prev_BxTxD, next_tokens_BxT, positions_BxT, mask_BxTxS,
                cache: Cache | None = None):
@@ -368,6 +405,30 @@ class MTPTransformer(nnx.Module):
                           else jnp.zeros((0, b, t, self.cfg.vocab_size), jnp.float32))
     aux = summarize(stats, self.cfg.moe) if self.cfg.moe.num_experts else None
     return ModelOutput(logits_BxTxV, mtp_logits_KxBxTxV, jnp.stack(hiddens), aux)
+
+
+def _out_major_modules(model: MTPTransformer):
+  """(path, module) of every module whose `MATRICES` decoding may store out-major."""
+  return [(path, node) for path, node in nnx.iter_graph(model) if hasattr(type(node), 'MATRICES')]
+
+
+def out_major_params(model: MTPTransformer, params):
+  """`params` (the state of `nnx.split(model, nnx.Param)`) with each matrix named in a module's
+  `MATRICES` stored as one O x I matrix, the layout that `set_out_major` makes the model read."""
+  in_axes = {(*path, name): n for path, module in _out_major_modules(model)
+             for name, n in type(module).MATRICES.items()}
+
+  def convert(keypath, x):
+    n = in_axes.get(tuple(getattr(k, 'key', None) for k in keypath[:-1]))  # the last key: the Param's value
+    return x if n is None else jnp.reshape(x, (-1, math.prod(x.shape[n:]))).T
+  return jax.tree_util.tree_map_with_path(convert, params)
+
+
+def set_out_major(model: MTPTransformer) -> MTPTransformer:
+  """Make `model`, whose parameters come from `out_major_params`, read its matrices out-major."""
+  for _, module in _out_major_modules(model):
+    module.out_major = True
+  return model
 
 
 def param_count(cfg: ModelConfig, *, active: bool = False) -> int:

@@ -58,11 +58,15 @@ def test_decode_cost_quick(tmp_path):
       ['--model=tiny', '--batch_sizes=1', '--depths=1,4', '--draft_vocab=64', '--steps=4', '--repeats=1',
        f'--results_dir={tmp_path}']))
   r = _read(tmp_path / 'decode_cost.json')
-  for key in ('spec_over_plain_j1', 'spec_over_plain_j4', 'plain_over_bound', 'read_gb_per_s'):
+  for key in ('spec_over_plain_j1', 'spec_over_plain_j4', 'plain_over_bound', 'read_gb_per_s',
+              'spec_over_plain_j1_standard', 'spec_over_plain_j4_standard'):
     assert math.isfinite(r[key]) and r[key] > 0, key
   row = r['batches']['1']
-  assert set(row) == {'j0', 'j1', 'j4', 'j4_draft_vocab'}
-  for name, x in row.items():
+  names = {'j0', 'j1', 'j4', 'j4_draft_vocab'}
+  assert set(row) == names | {f'{n}_standard' for n in names}  # the training layout, side by side
+  assert row['j0_standard']['over_plain'] == 1
+  for name in names:
+    x = row[name]
     assert x['bytes']['total'] == sum(v for k, v in x['bytes'].items() if k != 'total')
     assert x['parts_ms']['verify_trunk'] > 0 and x['parts_ms']['verify_logits'] > 0
   # A draft vocabulary of 64 of 256 ids reads a quarter of the draft unembedding.

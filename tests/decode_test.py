@@ -214,6 +214,22 @@ def test_draft_vocabulary_keeps_greedy_output_and_is_checked(models):
       decode.check_draft_vocab(np.asarray(bad), structure)
 
 
+def test_both_matrix_layouts_decode_the_same_greedy_tokens(trained):
+  """`decode.split(out_major=...)`: the CPU default (W @ x^T) and the training layout (x @ W) give
+  the same greedy output, plain, as a chain, with a draft vocabulary and as a tree."""
+  layouts = {om: decode.split(trained, out_major=om) for om in (True, False)}
+  assert layouts[True][0] != layouts[False][0]
+  assert decode.split(trained)[0].out_major == (jax.default_backend() == 'cpu')
+  for kwargs in ({}, {'draft_depth': 3}, {'draft_depth': 2, 'draft_vocab': np.arange(8, 30)},
+                 {'draft_depth': 2, 'tree': (2, 2)}):
+    outs = {om: decode.generate_split(*split, _prompts(), max_new_tokens=MAX_NEW, **kwargs)
+            for om, split in layouts.items()}
+    for got, want in zip(outs[True].tokens, outs[False].tokens):
+      np.testing.assert_array_equal(got, want, err_msg=str(kwargs))
+    for got, want in zip(outs[True].accept_lengths, outs[False].accept_lengths):
+      np.testing.assert_array_equal(got, want, err_msg=str(kwargs))
+
+
 def test_frequent_tokens_ranks_by_count_and_returns_ascending_ids():
   tokens = np.array([5, 5, 5, 2, 2, 9, 9, 9, 9, 1])
   np.testing.assert_array_equal(evaluate.frequent_tokens(tokens, 2), [5, 9])

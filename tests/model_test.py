@@ -106,6 +106,33 @@ def test_kv_cache_trunk_matches_full_forward():
   np.testing.assert_allclose(jnp.concatenate([h1, h2], 1), model(tokens).hidden_K1xBxTxD[0], atol=1e-5)
 
 
+@pytest.mark.parametrize('tie,experts', [(False, 0), (True, 4)])
+def test_out_major_matrices_give_the_same_model(tie, experts):
+  """Decoding's CPU layout: each dense matrix stored as one O x I matrix and read as W @ x^T. Only
+  the float order changes; the tied embedding and the experts' matrices are left as they are."""
+  moe = M.MoEConfig(num_experts=experts, num_shared_experts=1 if experts else 0, expert_dim=16)
+  cfg = M.ModelConfig(**{**CFG.__dict__, 'tie_embeddings': tie, 'moe': moe})
+  model = _model(cfg)
+  graphdef, params = nnx.split(model, nnx.Param)
+  om = M.set_out_major(nnx.merge(graphdef, M.out_major_params(model, params)))
+  d, he = cfg.dim, cfg.num_heads * cfg.head_dim
+  attn, head = om.blocks[0].attn, om.mtp_heads[0]
+  np.testing.assert_array_equal(attn.wq[...], model.blocks[0].attn.wq[...].reshape(d, he).T)
+  np.testing.assert_array_equal(attn.wo[...], model.blocks[0].attn.wo[...].reshape(he, d).T)
+  assert head.proj[...].shape == (d, 2 * d) and om.embed[...].shape == (cfg.vocab_size, d)
+  ffn = om.blocks[1].shared_mlp if experts else om.blocks[1].mlp
+  assert ffn.w_down[...].shape == (d, ffn.w_down[...].size // d) and ffn.out_major
+  if experts:
+    np.testing.assert_array_equal(om.blocks[0].moe.w_gate[...], model.blocks[0].moe.w_gate[...])
+  else:
+    assert om.unembed[...].shape == (cfg.vocab_size, d)
+  np.testing.assert_array_equal(om.unembedding(), model.unembedding())
+  tokens = jax.random.randint(jax.random.key(8), (2, 10), 0, 64)
+  want, got = model(tokens), jax.jit(lambda t: om(t))(tokens)
+  np.testing.assert_allclose(got.logits_BxTxV, want.logits_BxTxV, atol=1e-5)
+  np.testing.assert_allclose(got.mtp_logits_KxBxTxV, want.mtp_logits_KxBxTxV, atol=1e-5)
+
+
 def test_remat_gives_identical_outputs():
   tokens = jax.random.randint(jax.random.key(6), (2, 8), 0, 64)
   cfg_r = M.ModelConfig(**{**CFG.__dict__, 'remat': True})
