@@ -10,9 +10,10 @@ same module serves training (`__call__`) and cached decoding (`trunk`, `mtp_head
 With `moe.num_experts > 0` every block's feed-forward (trunk and MTP heads) is a Mixture of
 Experts (moe.py); `__call__` applies its capacity limit, `trunk` and `mtp_head` are dropless.
 
-Every matrix product goes through `dense`. Decoding on CPU stores the dense matrices out-major
-(`out_major_params`, `set_out_major`): the same model then runs W @ x^T, the orientation that
-XLA:CPU's kernels run fastest for the few rows of a decoding step (docs/design.md, "Decoding cost").
+Products with the weight matrices of attention, the MLP, the MTP projection and the output head
+go through `dense`. Decoding on CPU stores those matrices out-major (`out_major_params`,
+`set_out_major`): the same model then runs W @ x^T, the orientation that XLA:CPU runs fastest for
+the few rows of a decoding step (docs/design.md, "Decoding cost"); MoE experts keep their layout.
 """
 
 import dataclasses
