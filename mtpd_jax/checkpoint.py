@@ -129,6 +129,10 @@ class Checkpointer:
       items['data'] = grain.checkpoint.CheckpointRestore(iterator)
     return self.manager.restore(step, args=ocp.args.Composite(**items))['state']
 
+  def restore_data(self, step: int, iterator) -> None:
+    """Rewind `iterator` in place to checkpoint `step`'s data position (without its state)."""
+    self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(iterator)))
+
   def restore_named(self, step: int, abstract_state):
     """`restore` for readers (evaluation): a damaged checkpoint raises a ValueError naming it and is
     left where it is; resuming the training run moves it aside and continues from an earlier one."""

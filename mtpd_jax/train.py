@@ -284,9 +284,13 @@ def fit(spec: TrainSpec, workdir: str, *, progress: bool = True):
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=loop.ckpt_every,
                                    max_to_keep=loop.max_to_keep)
     ckpt.check_free_space(abstract)
-    state, start = _resume_or_init(spec, workdir, ckpt, abstract, shardings, train_it)
+    # A restored data iterator starts reading (prefetching) at once, and its batches may read what
+    # `prepare` builds from the state (the trunk-state cache): then it is rewound only after that.
+    state, start = _resume_or_init(spec, workdir, ckpt, abstract, shardings, None if spec.prepare else train_it)
     if spec.prepare:
       spec.prepare(state)
+      if start:
+        ckpt.restore_data(start, train_it)
     log = runtime.MetricsLog(os.path.join(workdir, 'metrics.jsonl'), start)  # may refuse: before config.json
     if jax.process_index() == 0:
       runtime.write_atomically(os.path.join(workdir, 'config.json'), spec.config_json)

@@ -83,6 +83,21 @@ def test_training_from_the_cache_matches_training_through_the_trunk_and_reuses_t
   assert os.stat(path / 'train.npy').st_mtime_ns == stamp
 
 
+@pytest.mark.slow
+def test_a_run_from_the_cache_resumes_to_the_uninterrupted_result(tmp_path):
+  """Resuming opens the cache before the restored data iterator (which prefetches at once) reads."""
+  config = _config(tmp_path)  # checkpoints at 3 and 6
+  config.ckpt.every_steps = 3
+  whole, resumed = str(tmp_path / 'whole'), str(tmp_path / 'resumed')
+  whole_state, want = training.train_and_evaluate(config, whole, progress=False)
+  shutil.copytree(whole, resumed)  # a run killed after its step-3 checkpoint
+  shutil.rmtree(os.path.join(resumed, 'checkpoints', '6'))
+  state, got = training.train_and_evaluate(config, resumed, progress=False)
+  assert int(state.step) == 6 and got == want
+  for name, value in _head_params(whole_state).items():
+    np.testing.assert_array_equal(_head_params(state)[name], value, err_msg=name)
+
+
 def _build(config, *, sources=None):
   graphdef, params = nnx.split(_model(config), nnx.Param)
   cache = recipe.make_trunk_cache(config)
