@@ -153,13 +153,12 @@ def main(args: types.SimpleNamespace) -> dict:
     if args.draft_vocab and 4 in depths:
       settings['j4_draft_vocab'] = decode.DecodeOptions(args.max_new_tokens, 4)
       vocabs['j4_draft_vocab'] = np.arange(args.draft_vocab, dtype=np.int32)
-    layouts = {}
-    if args.standard_layout:  # the same settings with x @ W, alternating with the default layout's
-      layouts = {f'{name}_standard': False for name in settings}
-      vocabs.update({f'{name}_standard': vocabs[name] for name in vocabs})
-    seconds = evaluate.step_seconds(model, prompts, {**settings, **{n: settings[n[:-9]] for n in layouts}},
-                                    pad_multiple=16, num_steps=args.steps, repeats=args.repeats,
-                                    draft_vocabs=vocabs, out_major=layouts)
+    # The same settings with x @ W (`_standard`), alternating with the default layout's.
+    standard = {f'{name}_standard': opts for name, opts in settings.items()} if args.standard_layout else {}
+    vocabs.update({f'{name}_standard': ids for name, ids in vocabs.items() if standard})
+    seconds = evaluate.step_seconds(model, prompts, {**settings, **standard}, pad_multiple=16,
+                                    num_steps=args.steps, repeats=args.repeats, draft_vocabs=vocabs,
+                                    out_major=dict.fromkeys(standard, False))
     p = -(-args.prompt_len // 16) * 16
     row = {}
     for name, opts in settings.items():
@@ -174,7 +173,7 @@ def main(args: types.SimpleNamespace) -> dict:
       bound_ms = 1e3 * nbytes['total'] / (bandwidth * 1e9)
       row[name] = {'step_ms': step_ms, 'parts_ms': parts, 'bytes': nbytes, 'bound_ms': bound_ms,
                    'over_bound': step_ms / bound_ms, 'over_plain': step_ms / (1e3 * seconds['j0'])}
-    for name in layouts:
+    for name in standard:
       row[name] = {'step_ms': 1e3 * seconds[name], 'over_plain': seconds[name] / seconds['j0_standard']}
     results['batches'][b] = row
     for name, r in row.items():
