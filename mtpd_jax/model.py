@@ -92,17 +92,21 @@ def dense(spec: str, x, w, out_major: bool = False, preferred_element_type=None)
 
   `out_major`: w is stored as one O x I matrix (`out_major_params`) and the product runs as
   W @ x^T, held in that orientation by an optimisation barrier (XLA would otherwise fold the
-  transpose back into the product). XLA:CPU runs that at about the one-row speed for up to ~64
-  rows, where x @ W of 2-9 rows takes a general kernel that reads W at half the rate
-  (docs/design.md, "Decoding cost"). The result then ends in one axis of size O.
+  transpose back into the product). XLA:CPU runs that at about the one-row speed for 2-4 and 8 rows,
+  where x @ W of 2-9 rows takes a general kernel that reads W at half the rate; 5-7 rows are padded
+  to 8 and 9-15 to 16 with zero rows, which that kernel runs faster (docs/design.md, "Decoding
+  cost"). The result then ends in one axis of size O.
   """
   w = w.astype(x.dtype)
   if not out_major:
     return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
   x_axes, w_axes = spec.split('->')[0].split(',')
   lead = x.shape[:x.ndim - len(set(x_axes) & set(w_axes))]
-  y_OxN = jnp.matmul(w, x.reshape(-1, w.shape[1]).T, preferred_element_type=preferred_element_type)
-  return lax.optimization_barrier(y_OxN).T.reshape(*lead, w.shape[0])
+  x_NxI = x.reshape(-1, w.shape[1])
+  n = x_NxI.shape[0]
+  x_NxI = jnp.pad(x_NxI, ((0, -n % 8 if 4 < n < 16 else 0), (0, 0)))
+  y_OxN = jnp.matmul(w, x_NxI.T, preferred_element_type=preferred_element_type)
+  return lax.optimization_barrier(y_OxN).T[:n].reshape(*lead, w.shape[0])
 
 
 def _param(rngs: nnx.Rngs | ParamKeys, init, shape, axes) -> nnx.Param:

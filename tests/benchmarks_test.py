@@ -61,6 +61,7 @@ def test_decode_cost_quick(tmp_path):
   for key in ('spec_over_plain_j1', 'spec_over_plain_j4', 'plain_over_bound', 'read_gb_per_s',
               'spec_over_plain_j1_standard', 'spec_over_plain_j4_standard'):
     assert math.isfinite(r[key]) and r[key] > 0, key
+  assert r['read_gb_per_s_rounds'] == [r['read_gb_per_s']]  # --repeats=1: one round beside the plain step
   row = r['batches']['1']
   names = {'j0', 'j1', 'j4', 'j4_draft_vocab'}
   assert set(row) == names | {f'{n}_standard' for n in names}  # the training layout, side by side

@@ -133,6 +133,16 @@ def test_out_major_matrices_give_the_same_model(tie, experts):
   np.testing.assert_allclose(got.mtp_logits_KxBxTxV, want.mtp_logits_KxBxTxV, atol=1e-5)
 
 
+@pytest.mark.parametrize('rows', [1, 4, 5, 7, 8, 9, 15, 16, 17])
+def test_out_major_dense_equals_einsum_at_every_row_count(rows):
+  """W @ x^T pads 5-15 rows to the next multiple of 8 (model.dense); the padding never shows."""
+  x = jax.random.normal(jax.random.key(1), (1, rows, 12))
+  w_IxHxE = jax.random.normal(jax.random.key(2), (12, 2, 5))
+  got = M.dense('btd,dhe->bthe', x, w_IxHxE.reshape(12, 10).T, out_major=True)
+  assert got.shape == (1, rows, 10)
+  np.testing.assert_allclose(got.reshape(1, rows, 2, 5), M.dense('btd,dhe->bthe', x, w_IxHxE), atol=1e-5)
+
+
 def test_remat_gives_identical_outputs():
   tokens = jax.random.randint(jax.random.key(6), (2, 8), 0, 64)
   cfg_r = M.ModelConfig(**{**CFG.__dict__, 'remat': True})
