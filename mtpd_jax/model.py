@@ -90,12 +90,11 @@ class ParamKeys:
 def dense(spec: str, x, w, out_major: bool = False, preferred_element_type=None):
   """einsum(spec, x, w) of x's trailing axes with w's leading ones, w cast to x's dtype.
 
-  `out_major`: w is stored as one O x I matrix (`out_major_params`) and the product runs as
-  W @ x^T, held in that orientation by an optimisation barrier (XLA would otherwise fold the
-  transpose back into the product). XLA:CPU runs that at about the one-row speed for 2-4 and 8 rows,
-  where x @ W of 2-9 rows takes a general kernel that reads W at half the rate; 5-7 rows are padded
-  to 8 and 9-15 to 16 with zero rows, which that kernel runs faster (docs/design.md, "Decoding
-  cost"). The result then ends in one axis of size O.
+  `out_major`: w is one O x I matrix (`out_major_params`) and the product runs as W @ x^T, kept so
+  by an optimisation barrier (XLA would fold the transpose back), with 5-15 rows padded by zero rows
+  to a multiple of 8: XLA:CPU's kernel runs 1-4 and 8 rows near the one-row speed and 16 faster than
+  9, where x @ W of 2-9 rows reads W at half the rate (docs/design.md, "Decoding cost"). The result
+  ends in one O axis.
   """
   w = w.astype(x.dtype)
   if not out_major:
