@@ -13,11 +13,12 @@ training layout, x @ W (keys `..._standard`, and spec_over_plain_j1_standard etc
 with the decoding default (out-major on CPU, W @ x^T: decode.split, docs/design.md "Decoding cost").
 
 The memory bound: at batch 1 a step reads the trunk, the unembedding once per verified batch of rows
-and once per draft depth, each head block once, and the KV caches. `read_gb_per_s` is a jitted sum over
-as many bytes as the plain step reads, timed back to back with the plain step in each of --repeats
-rounds (`read_rounds`); `plain_over_bound` is the median over rounds of the plain step over that read,
-and each setting's `over_bound` is its step over the time of reading its bytes at the median rate. Headline keys: spec_over_plain_j1,
-spec_over_plain_j4 (batch 1), plain_over_bound. Writes benchmarks/results/decode_cost.json.
+and once per draft depth, each head block once, and the KV caches. `read_gb_per_s` is a jitted sum
+over as many bytes as the plain step reads, timed back to back with the plain step in each of
+--repeats rounds (`read_rounds`); `plain_over_bound` is the median over rounds of the plain step over
+that read, and each setting's `over_bound` its step over the time of reading its bytes at the median
+rate. Headline keys: spec_over_plain_j1, spec_over_plain_j4 (batch 1), plain_over_bound. Writes
+benchmarks/results/decode_cost.json.
 """
 
 import time
@@ -168,7 +169,6 @@ def main(args: types.SimpleNamespace) -> dict:
       rates, ratios = read_rounds(model, prompts, plain_bytes, args)
       results.update(read_gb_per_s=float(np.median(rates)), read_gb_per_s_rounds=rates,
                      plain_over_bound=float(np.median(ratios)))
-      bandwidth = results['read_gb_per_s']
     row = {}
     for name, opts in settings.items():
       j = opts.draft_depth
@@ -179,7 +179,7 @@ def main(args: types.SimpleNamespace) -> dict:
       parts['rest'] = step_ms - parts['verify_trunk'] - parts['verify_logits'] - j * (
           parts.get('draft_block_per_depth', 0) + parts.get('draft_logits_per_depth', 0))
       nbytes = step_bytes(model, b, j, s, dv)
-      bound_ms = 1e3 * nbytes['total'] / (bandwidth * 1e9)
+      bound_ms = 1e3 * nbytes['total'] / (results['read_gb_per_s'] * 1e9)
       row[name] = {'step_ms': step_ms, 'parts_ms': parts, 'bytes': nbytes, 'bound_ms': bound_ms,
                    'over_bound': step_ms / bound_ms, 'over_plain': step_ms / (1e3 * seconds['j0'])}
     for name in standard:
