@@ -90,20 +90,17 @@ class ParamKeys:
 def dense(spec: str, x, w, out_major: bool = False, preferred_element_type=None):
   """einsum(spec, x, w) of x's trailing axes with w's leading ones, w cast to x's dtype.
 
-  `out_major`: w is one O x I matrix (`out_major_params`) and the product runs as W @ x^T, kept so
-  by an optimisation barrier (XLA would fold the transpose back), with 5-15 rows padded by zero rows
-  to a multiple of 8: XLA:CPU's kernel runs 1-4 and 8 rows near the one-row speed and 16 faster than
-  9, where x @ W of 2-9 rows reads W at half the rate (docs/design.md, "Decoding cost"). The result
-  ends in one O axis.
+  `out_major`: w is one O x I matrix (`out_major_params`); the product runs as W @ x^T behind an
+  optimisation barrier (XLA would fold the transpose back), 5-15 rows padded with zeros to a multiple
+  of 8, the row counts XLA:CPU's kernel runs fastest (docs/design.md, "Decoding cost").
   """
   w = w.astype(x.dtype)
   if not out_major:
     return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
   x_axes, w_axes = spec.split('->')[0].split(',')
   lead = x.shape[:x.ndim - len(set(x_axes) & set(w_axes))]
-  x_NxI = x.reshape(-1, w.shape[1])
-  n = x_NxI.shape[0]
-  x_NxI = jnp.pad(x_NxI, ((0, -n % 8 if 4 < n < 16 else 0), (0, 0)))
+  n = x.size // w.shape[1]
+  x_NxI = jnp.pad(x.reshape(n, w.shape[1]), ((0, -n % 8 if 4 < n < 16 else 0), (0, 0)))
   y_OxN = jnp.matmul(w, x_NxI.T, preferred_element_type=preferred_element_type)
   return lax.optimization_barrier(y_OxN).T[:n].reshape(*lead, w.shape[0])
 
