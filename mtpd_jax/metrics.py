@@ -23,7 +23,6 @@ at depths < k in the same chain). On the model's own greedy continuation, the ch
 at the online steps' last trunk positions are exactly the online greedy acceptances.
 """
 
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -62,10 +61,12 @@ def per_prompt_counts(accept_lengths_per_prompt) -> dict[str, list[int]]:
           'accepted': [int(np.sum(x)) for x in a]}
 
 
-def teacher_forced_agreement(logits_BxTxV, draft_logits_JxBxTxV) -> np.ndarray:
-  """agree_JxBxT: argmax depth k at i == argmax main at i+k (False where i+k is past the end)."""
-  main_BxT = np.asarray(jnp.argmax(logits_BxTxV, axis=-1))
-  draft_JxBxT = np.asarray(jnp.argmax(draft_logits_JxBxTxV, axis=-1))
+def teacher_forced_agreement(main_BxT, draft_JxBxT) -> np.ndarray:
+  """agree_JxBxT: depth k's argmax at i == the main argmax at i+k (False where i+k is past the end).
+
+  `main_BxT`, `draft_JxBxT`: the argmax token ids of the main and depth-k logits.
+  """
+  main_BxT, draft_JxBxT = np.asarray(main_BxT), np.asarray(draft_JxBxT)
   j, _, t = draft_JxBxT.shape
   agree_JxBxT = np.zeros(draft_JxBxT.shape, bool)
   for k in range(1, min(j, t - 1) + 1):
@@ -73,9 +74,9 @@ def teacher_forced_agreement(logits_BxTxV, draft_logits_JxBxTxV) -> np.ndarray:
   return agree_JxBxT
 
 
-def teacher_forced_accept_lengths(logits_BxTxV, draft_logits_JxBxTxV, valid_BxT=None) -> np.ndarray:
+def teacher_forced_accept_lengths(main_BxT, draft_JxBxT, valid_BxT=None) -> np.ndarray:
   """Leading agreements a_i of the chain at each position (-1 where i..i+J are not all valid)."""
-  agree_JxBxT = teacher_forced_agreement(logits_BxTxV, draft_logits_JxBxTxV)
+  agree_JxBxT = teacher_forced_agreement(main_BxT, draft_JxBxT)
   j, b, t = agree_JxBxT.shape
   valid_BxT = np.ones((b, t), bool) if valid_BxT is None else np.asarray(valid_BxT, bool)
   n = max(t - j, 0)  # chains that end inside the sequence start at 0..t-1-j
@@ -87,12 +88,15 @@ def teacher_forced_accept_lengths(logits_BxTxV, draft_logits_JxBxTxV, valid_BxT=
   return np.where(fits_BxT, accept_BxT, -1).astype(np.int32)
 
 
-def teacher_forced_stats(logits_BxTxV, draft_logits_JxBxTxV, valid_BxT=None) -> dict:
-  """`acceptance_stats` of the teacher-forced chains at every valid start, plus unconditional agreement."""
-  accept_BxT = teacher_forced_accept_lengths(logits_BxTxV, draft_logits_JxBxTxV, valid_BxT)
+def teacher_forced_stats(main_BxT, draft_JxBxT, valid_BxT=None) -> dict:
+  """`acceptance_stats` of the teacher-forced chains at every valid start, plus unconditional agreement.
+
+  Takes argmax ids like `teacher_forced_agreement`.
+  """
+  accept_BxT = teacher_forced_accept_lengths(main_BxT, draft_JxBxT, valid_BxT)
   starts_BxT = accept_BxT >= 0
-  agree_JxBxT = teacher_forced_agreement(logits_BxTxV, draft_logits_JxBxTxV)
-  stats = acceptance_stats(accept_BxT[starts_BxT], draft_logits_JxBxTxV.shape[0])
+  agree_JxBxT = teacher_forced_agreement(main_BxT, draft_JxBxT)
+  stats = acceptance_stats(accept_BxT[starts_BxT], agree_JxBxT.shape[0])
   with np.errstate(invalid='ignore'):
     stats['agreement'] = [float(x) for x in agree_JxBxT[:, starts_BxT].mean(axis=1)]
   return stats

@@ -115,7 +115,8 @@ def test_online_greedy_acceptance_equals_teacher_forced_chains(trained):
   tokens_BxT, _ = decode.pad_prompts([np.concatenate([p, t]) for p, t in zip(prompts, greedy.tokens)], 16)
   valid_BxT = np.arange(tokens_BxT.shape[1]) < np.array([len(p) + MAX_NEW for p in prompts])[:, None]
   logits_BxTxV, draft_logits_JxBxTxV = decode.looped_forward(trained, tokens_BxT, depth)
-  chains_BxT = metrics.teacher_forced_accept_lengths(logits_BxTxV, draft_logits_JxBxTxV, valid_BxT)
+  chains_BxT = metrics.teacher_forced_accept_lengths(np.argmax(logits_BxTxV, -1), np.argmax(draft_logits_JxBxTxV, -1),
+                                                     valid_BxT)
   online, offline = [], []
   for b, (prompt, accepts) in enumerate(zip(prompts, spec.accept_lengths)):
     starts = len(prompt) - 1 + np.concatenate([[0], np.cumsum(accepts[:-1] + 1)])

@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from mtpd_jax import losses
+from mtpd_jax import decode, losses, metrics
 from mtpd_jax.harness import evaluate
 from mtpd_jax.model import ModelConfig, MTPTransformer
 
@@ -52,6 +52,25 @@ def test_evaluate_prompt_set_and_write_report(tmp_path):
   heldout = {'loss': 1.5, 'accuracy': 0.25, 'tokens': 10}
   evaluate.write_report({}, str(tmp_path / 'plain_lm'), heldout=heldout)  # a model without heads
   assert 'accuracy 25.00%' in (tmp_path / 'plain_lm' / 'eval.md').read_text()
+
+
+def test_teacher_forced_in_batches_equals_the_whole_set_at_once():
+  model = MTPTransformer(CFG, rngs=nnx.Rngs(2))
+  rng = np.random.default_rng(2)
+  prompts = [rng.integers(1, 32, n) for n in (5, 11, 3, 7, 2)]
+  continuations = [rng.integers(1, 32, n) for n in (6, 4, 9, 5, 8)]
+  tokens_BxT, _ = decode.pad_prompts([np.concatenate(x) for x in zip(prompts, continuations)], 64)
+  logits_BxTxV, draft_logits_JxBxTxV = decode.looped_forward(model, tokens_BxT, 3)
+  valid_BxT = np.zeros(tokens_BxT.shape, bool)
+  for b, (p, c) in enumerate(zip(prompts, continuations)):
+    valid_BxT[b, len(p) - 1:len(p) + len(c)] = True
+  want = metrics.teacher_forced_stats(np.argmax(logits_BxTxV, -1), np.argmax(draft_logits_JxBxTxV, -1), valid_BxT)
+  assert want['steps'] == sum(len(c) - 2 for c in continuations)  # a chain needs 4 of len(c) + 1 valid
+  for batch_size in (1, 2, 8):  # 5 rows: padded last batches, and one batch larger than the set
+    got = evaluate.teacher_forced(model, prompts, continuations, 3, batch_size)
+    assert got.keys() == want.keys()
+    for key in want:
+      np.testing.assert_array_equal(got[key], want[key], err_msg=f'{key} at batch size {batch_size}')
 
 
 def test_heldout_metrics_matches_a_direct_computation():

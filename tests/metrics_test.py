@@ -39,32 +39,26 @@ def test_car_is_the_product_of_ar_and_sums_to_the_accepted_length(seed):
   assert sum(stats['car']) == pytest.approx(stats['accept_len'])
 
 
-def _one_hot_logits(argmax_xT, vocab=8):
-  return np.eye(vocab, dtype=np.float32)[np.asarray(argmax_xT)]
-
-
 def test_teacher_forced_agreement_and_chains_by_hand():
   main_1xT = [[1, 2, 3, 4, 5, 6]]           # main at i predicts token i+1
   depth1_1xT = [[2, 0, 4, 5, 0, 0]]         # agrees with main at i+1 at i = 0, 2, 3
   depth2_1xT = [[3, 4, 0, 6, 0, 0]]         # agrees with main at i+2 at i = 0, 1, 3
-  logits = _one_hot_logits(main_1xT)
-  drafts = np.stack([_one_hot_logits(depth1_1xT), _one_hot_logits(depth2_1xT)])
-  agree = metrics.teacher_forced_agreement(logits, drafts)
+  main, drafts = np.array(main_1xT), np.array([depth1_1xT, depth2_1xT])  # argmax ids
+  agree = metrics.teacher_forced_agreement(main, drafts)
   np.testing.assert_array_equal(agree[:, 0], [[1, 0, 1, 1, 0, 0], [1, 1, 0, 1, 0, 0]])
   # Chains need main logits up to i+2: starts 0..3. At i=1 depth 2 agrees but depth 1 does not.
-  chains = metrics.teacher_forced_accept_lengths(logits, drafts)
+  chains = metrics.teacher_forced_accept_lengths(main, drafts)
   np.testing.assert_array_equal(chains[0], [2, 0, 1, 2, -1, -1])
   valid = np.array([[False, True, True, True, True, True]])
-  np.testing.assert_array_equal(metrics.teacher_forced_accept_lengths(logits, drafts, valid)[0],
+  np.testing.assert_array_equal(metrics.teacher_forced_accept_lengths(main, drafts, valid)[0],
                                 [-1, 0, 1, 2, -1, -1])
-  stats = metrics.teacher_forced_stats(logits, drafts)
+  stats = metrics.teacher_forced_stats(main, drafts)
   np.testing.assert_allclose(stats['ar'], [3 / 4, 2 / 3])   # conditional: depth 2 only after depth 1
   np.testing.assert_allclose(stats['car'], [3 / 4, 2 / 4])
   np.testing.assert_allclose(stats['agreement'], [3 / 4, 3 / 4])  # unconditional, same starts
 
 
 def test_sequences_shorter_than_the_chain_have_no_chains():
-  logits = _one_hot_logits([[1, 2]])
-  drafts = np.stack([_one_hot_logits([[2, 0]])] * 3)
-  np.testing.assert_array_equal(metrics.teacher_forced_agreement(logits, drafts)[:, 0], [[1, 0], [0, 0], [0, 0]])
-  np.testing.assert_array_equal(metrics.teacher_forced_accept_lengths(logits, drafts), [[-1, -1]])
+  main, drafts = np.array([[1, 2]]), np.array([[[2, 0]]] * 3)
+  np.testing.assert_array_equal(metrics.teacher_forced_agreement(main, drafts)[:, 0], [[1, 0], [0, 0], [0, 0]])
+  np.testing.assert_array_equal(metrics.teacher_forced_accept_lengths(main, drafts), [[-1, -1]])
