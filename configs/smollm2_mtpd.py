@@ -11,7 +11,7 @@ Rows: MTP and MTP-D with the trunk frozen (only the heads train; the teacher is 
 head), and MTP-D as joint continued pre-training (trunk and heads, a small learning rate). The
 default is sized for one GPU; `smollm2_mtpd:quick` runs on two CPU cores in a few minutes.
 
-`smollm2_mtpd:cpu` is the recipe for two CPU cores (about 90 minutes): K=2 heads on the frozen
+`smollm2_mtpd:cpu` is the recipe for two CPU cores (about 95 minutes): K=2 heads on the frozen
 trunk, trained from its cached hidden states (train.trunk_cache: the trunk runs once, for both
 rows), 400 steps of 4x256 tokens, one pass over the training text, and evaluated on 64 prompts of
 each set. A step's cost is the output head's 49,152 columns for the main head and each MTP head
