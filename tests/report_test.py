@@ -1,6 +1,7 @@
 """Sweep reports: the paired bootstrap of two rows' acceptance on the same prompts, and its table."""
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -28,6 +29,20 @@ def test_the_difference_is_of_pooled_rates_and_a_uniform_gain_is_higher():
   assert d['tokens_per_forward']['diff'] == pytest.approx(61 / 100 - 22 / 100)
   assert 0 < d['ar1']['lo'] <= d['ar1']['diff'] <= d['ar1']['hi'] and d['ar1']['verdict'] == 'higher'
   assert report.paired_bootstrap(b, a)['ar1']['verdict'] == 'lower'
+
+
+def test_prompts_without_a_step_leave_no_nan_in_the_interval():
+  # Two of four prompts end before any step: a resample that draws only them has no rate (6% of
+  # resamples), and is left out instead of turning both percentiles into nan.
+  b = _counts([0, 12, 0, 20], [0, 3, 0, 5], [0, 3, 0, 6])
+  a = _counts([0, 12, 0, 20], [0, 6, 0, 10], [0, 7, 0, 12])
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')  # no 0 / 0 either
+    d = report.paired_bootstrap(a, b)['ar1']
+  assert d['diff'] == pytest.approx(16 / 32 - 8 / 32)
+  assert 0 < d['lo'] <= d['diff'] <= d['hi'] and d['verdict'] == 'higher'
+  none = report.paired_bootstrap(_counts([0, 0], [0, 0], [0, 0]), _counts([0, 0], [0, 0], [0, 0]))['ar1']
+  assert np.isnan([none['diff'], none['lo'], none['hi']]).all() and none['verdict'] == 'inconclusive'
 
 
 def _simulate(rng, p, rate_a, rate_b, noise):

@@ -100,6 +100,8 @@ def paired_bootstrap(a, b, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -
   resample, the same for both rows: S seeds drawn with replacement, then P prompts with
   replacement within each, so the interval holds the seed-to-seed spread as well as the prompts'.
   `verdict` says whether the interval lies above zero, below it, or holds it ('inconclusive').
+  A resample that draws only prompts without a decoding step (a prompt that ends at once) has no
+  rate and is left out of the percentiles; with no steps at all, every figure is nan.
   """
   a_SxPx3, b_SxPx3 = (np.asarray(x, float).reshape((-1,) + np.shape(x)[-2:]) for x in (a, b))
   s, p = a_SxPx3.shape[:2]
@@ -113,16 +115,18 @@ def paired_bootstrap(a, b, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -
     np.add.at(times_ZxS, (np.arange(samples)[:, None], seeds_ZxS), 1.0)
     weight_ZxSxP *= times_ZxS[..., None]
 
-  def rates(w, x):  # (AR1, tokens per forward) of seed-prompts weighted by w
+  def rates(w, x):  # (AR1, tokens per forward) of seed-prompts weighted by w; nan without steps
     sums = np.einsum('...sp,spc->...c', w, x)
-    return sums[..., 1] / sums[..., 0], 1.0 + sums[..., 2] / sums[..., 0]
+    steps = np.where(sums[..., 0] > 0, sums[..., 0], np.nan)
+    return sums[..., 1] / steps, 1.0 + sums[..., 2] / steps
   full_a, full_b = rates(np.ones((s, p)), a_SxPx3), rates(np.ones((s, p)), b_SxPx3)
   boot_a, boot_b = rates(weight_ZxSxP, a_SxPx3), rates(weight_ZxSxP, b_SxPx3)
-  ar1_S = lambda x: x[..., 1].sum(axis=1) / x[..., 0].sum(axis=1)  # each seed's pooled AR1
-  per_seed = ar1_S(a_SxPx3) - ar1_S(b_SxPx3)
+  seed_SxSxP = np.repeat(np.eye(s)[:, :, None], p, axis=2)  # row i weighs seed i's prompts alone
+  per_seed = rates(seed_SxSxP, a_SxPx3)[0] - rates(seed_SxSxP, b_SxPx3)[0]
   out = {'prompts': p, 'seeds': s, 'ar1_per_seed': [float(x) for x in per_seed]}
   for i, key in enumerate(('ar1', 'tokens_per_forward')):
-    lo, hi = np.percentile(boot_a[i] - boot_b[i], [2.5, 97.5])
+    d_Z = boot_a[i] - boot_b[i]
+    lo, hi = np.percentile(d_Z[np.isfinite(d_Z)], [2.5, 97.5]) if np.isfinite(d_Z).any() else (np.nan, np.nan)
     out[key] = {'diff': float(full_a[i] - full_b[i]), 'lo': float(lo), 'hi': float(hi), 'verdict': _verdict(lo, hi)}
   return out
 
