@@ -3,10 +3,12 @@
 Every row trains on the frozen pretrained trunk (configs/smollm2_mtpd.py). Rows: MTP-D with K=1;
 the same head looped to draft depth 8 without training (MTP-D*: depth j reuses head 1); and
 trained looping 1 -> 2 -> 4 -> 8, where each stage copies the trained heads and trains only the
-copies. `smollm2_looped:quick` runs on two CPU cores in minutes; `smollm2_looped:cpu` is the two-core
-recipe of smollm2_mtpd:cpu (the frozen trunk's cached states) at half its steps per row and a
-quarter per looped stage, since the trained loop's later stages run up to 8 heads: about 90
-minutes by the per-step costs measured for smollm2_mtpd:cpu (not yet run end to end).
+copies. `smollm2_looped:quick` runs on two CPU cores in about 25 minutes. `smollm2_looped:cpu` is
+the two-core recipe of smollm2_mtpd:cpu (the frozen trunk's cached states) at half
+its steps per row and a quarter per looped stage. It does not fit 90 minutes yet and has not run to
+the end: on 2026-12-06 its first row took 19.7 min to train and 18.3 min to evaluate, and every row
+trains the same K=1 head again (the training-free row to evaluate it, the trained loop as its first
+stage) before the loop's 2-, 4- and 8-head stages: an estimated 2.5 hours in all.
 """
 
 from configs import smollm2_mtpd
