@@ -16,15 +16,18 @@ from configs import smollm2_mtpd
 
 def get_config(arg: str = ''):
   c = smollm2_mtpd.get_config(arg, num_heads=1)
-  if arg == 'cpu':
-    c.train.steps = 200
   c.looped.stage_steps = c.train.steps // 2
+  if arg == 'cpu':
+    c.train.steps, c.looped.stage_steps = 200, 50
   return c
 
 
-def get_sweep():
+def get_sweep(arg: str = ''):
+  schedule = (1, 2, 4) if arg == 'cpu' else (1, 2, 4, 8)
+  depth = schedule[-1]
   return [
       {'label': 'MTP-D, K=1'},
-      {'label': 'MTP-D*, 1 to 8 (training-free)', 'eval.draft_depth': 8},
-      {'label': 'MTP-D, 1 to 8 (trained)', 'looped.schedule': (1, 2, 4, 8), 'eval.draft_depth': 8},
+      {'label': f'MTP-D*, 1 to {depth} (training-free)', 'eval.draft_depth': depth},
+      {'label': f'MTP-D, 1 to {depth} (trained)', 'looped.schedule': schedule,
+       'eval.draft_depth': depth},
   ]

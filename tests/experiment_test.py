@@ -115,3 +115,66 @@ def test_a_fixed_base_seed_gives_every_seed_one_base_model_and_keeps_the_variant
   assert [(f.seed, f.data.seed) for f in fixed] == [(0, 0), (1, 1), (2, 2)]  # the variants still vary
   base_lm = experiment.base_config(fixed[2])
   assert (base_lm.seed, base_lm.data.seed, base_lm.mtp.num_heads) == (0, 0, 0)
+
+
+def _small_looped_sweep(tmp_path):
+  from conftest import small_config
+  c = small_config(num_heads=1, steps=4)
+  c.looped.stage_steps = 4
+  c.eval.update(dict(max_prompts=2, max_new_tokens=8, repeats=1, timing_steps=4, timing_repeats=1))
+  sweep = [{'label': 'K=1'}, {'label': 'free', 'eval.draft_depth': 3},
+           {'label': 'loop', 'looped.schedule': (1, 2)}, {'label': 'loop, MTP', 'looped.schedule': (1, 2),
+                                                          'distill.enabled': False}]
+  return c, sweep
+
+
+def test_points_that_train_alike_share_one_model_and_a_loop_continues_from_it(tmp_path):
+  from mtpd_jax.harness import experiment
+  c, sweep = _small_looped_sweep(tmp_path)
+  points = []
+  for i, (_, overrides) in enumerate(experiment.sweep_points(sweep)):
+    p = experiment.with_seed(c, 0)
+    p.update_from_flattened_dict(overrides)
+    points.append((p, str(tmp_path / str(i))))
+  plans = experiment.training_plans(points, str(tmp_path))
+  dirs = [[d for _, d in plan] for plan in plans]
+  d = lambda *parts: str(tmp_path.joinpath(*parts))
+  # Only the evaluation differs: one model. The loop's first stage is row 0's; its copies continue from it.
+  assert dirs == [[d('0')], [d('0')], [d('0'), d('2', 'heads_2')], [d('3', 'heads_1'), d('3', 'heads_2')]]
+  assert plans[2][1][0].train.init_from == d('0') and plans[2][1][0].train.trainable == [2]
+  assert plans[3][1][0].train.init_from == d('3', 'heads_1')  # MTP trains another model
+  # A point's own checkpoints (from before models were shared) keep their place.
+  os.makedirs(tmp_path / '2' / 'heads_1' / 'checkpoints' / '4')
+  again = experiment.training_plans(points, str(tmp_path))
+  assert [d for _, d in again[2]] == [d('2', 'heads_1'), d('2', 'heads_2')]
+
+
+@pytest.mark.slow
+def test_a_sweep_trains_a_shared_model_once_and_evaluates_each_row_its_own_way(tmp_path, capsys):
+  import jax
+  import numpy as np
+  from flax import nnx
+  from mtpd_jax.harness import experiment, training
+  c, sweep = _small_looped_sweep(tmp_path)
+  sweep = sweep[:3]
+  workdir = tmp_path / 'sweep'
+  experiment.run_sweep(c, sweep, str(workdir), str(tmp_path / 'report'), root=str(tmp_path), progress=False)
+  out = capsys.readouterr().out
+  assert out.count('[shared]') == 2 and not (workdir / '1' / 'checkpoints').exists()
+  assert not (workdir / '2' / 'heads_1').exists()
+  rows = json.loads((tmp_path / 'report' / 'results.json').read_text())['rows']
+  depth = lambda label: {r['draft_depth'] for r in rows[label][0]['eval']['prompt_sets'].values()}
+  assert (depth('K=1'), depth('free'), depth('loop')) == ({1}, {3}, {2})
+  assert rows['free'][0]['model_dir'] == rows['K=1'][0]['model_dir'] == str(workdir / '0')
+  for i, label in enumerate(('K=1', 'free', 'loop')):  # each row's own report, in its own workdir
+    saved = json.loads((workdir / str(i) / 'eval.json').read_text())
+    assert {r['draft_depth'] for r in saved['prompt_sets'].values()} == depth(label)
+  # The loop trained alone (its first stage in its own workdir) ends in the same model.
+  loop = experiment.with_seed(c, 0)
+  loop.looped.schedule = (1, 2)
+  alone = experiment.run_point(loop, str(tmp_path / 'alone'), root=str(tmp_path), progress=False)
+  assert (tmp_path / 'alone' / 'heads_1' / 'checkpoints').is_dir()
+  a, _ = training.restore_model(rows['loop'][0]['model_dir'])
+  b, _ = training.restore_model(alone['model_dir'])
+  for x, y in zip(jax.tree.leaves(nnx.state(a, nnx.Param)), jax.tree.leaves(nnx.state(b, nnx.Param))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -82,51 +82,100 @@ def with_base(config: ml_collections.ConfigDict, root: str = 'runs') -> ml_colle
 
 
 def run_point(config: ml_collections.ConfigDict, workdir: str, *, root: str = 'runs',
-              progress: bool = True) -> dict:
+              progress: bool = True, plan: list[tuple[ml_collections.ConfigDict, str]] | None = None) -> dict:
   """Train one variant (from the cached base model when `base.steps` > 0), evaluate it, save a summary.
 
-  The workdir is locked throughout (workdir_lock); the shared base model's workdir while it trains.
+  `plan`: the (config, workdir) of each model it trains (`training_plans`; default its own).
+  The workdir is locked throughout (workdir_lock); a shared base model's or plan's workdir while it trains.
   """
   with workdir_lock.hold(workdir):
-    return _run_point(config, workdir, root=root, progress=progress)
+    return _run_point(config, workdir, root=root, progress=progress, plan=plan)
 
 
-def _run_point(config, workdir, *, root, progress):
+def _run_point(config, workdir, *, root, progress, plan):
   original, config = config, with_base(config, root)
   if config.train.init_from and config.train.init_from != original.train.init_from:
     bdir = config.train.init_from
     print(f'[base] plain LM, {config.base.steps} steps -> {bdir}', flush=True)
     with workdir_lock.hold(bdir, wait=True):  # another sweep may be training the same base
       training.train_and_evaluate(base_config(config), bdir, progress=progress)
-  if config.looped.schedule:
-    _, final = looped.run_looped(config, workdir, progress=progress)
-    model_dir = looped.stage_configs(config, workdir)[-1][1]
-  else:
-    _, final = training.train_and_evaluate(config, workdir, progress=progress)
-    model_dir = workdir
-  num_heads = config.looped.schedule[-1] if config.looped.schedule else config.mtp.num_heads
+  own = _own_models(config, workdir)
+  plan = plan or own
+  for (_, d), (_, own_dir) in zip(plan, own):
+    if d != own_dir:
+      print(f'[shared] {own_dir} trains as {d} does: the model there is this one', flush=True)
+  _, final = looped.run_stages(plan, progress=progress)
+  # Evaluated as this point says (its eval.* may differ from the shared model's own run).
+  eval_config, model_dir = own[-1][0], plan[-1][1]
+  num_heads = eval_config.mtp.num_heads
   print(format_summary(final, num_heads), flush=True)
   summary = {'config': _digest(original.to_json()), 'model_dir': model_dir, 'final': final,
-             'eval': evaluate_workdir(model_dir) if config.eval.enabled else None}
+             'eval': evaluate_workdir(model_dir, config=eval_config, out_dir=workdir)
+                     if config.eval.enabled else None}
   with open(os.path.join(workdir, SUMMARY), 'w') as f:
     json.dump(evaluate.json_ready(summary), f, indent=2)
   return summary
 
 
+# What says how a trained model is evaluated, or how a sweep or looped run derives its runs'
+# configs, and not what trains: runs that differ in nothing else train one model.
+NOT_TRAINING = ('eval', 'seeds', 'looped')
+
+
+def _own_models(config: ml_collections.ConfigDict, workdir: str) -> list[tuple[ml_collections.ConfigDict, str]]:
+  """(config, workdir) of each model a point trains in its own workdir: its looped stages, else itself."""
+  return looped.stage_configs(config, workdir) if config.looped.schedule else [(config, workdir)]
+
+
+def _has_checkpoints(workdir: str) -> bool:
+  ckpt_dir = os.path.join(workdir, 'checkpoints')
+  return os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+
+
+def training_plans(points: list[tuple[ml_collections.ConfigDict, str]], root: str = 'runs'
+                   ) -> list[list[tuple[ml_collections.ConfigDict, str]]]:
+  """Per (config, workdir) of a sweep's points, the (config, workdir) of each model it trains, in order.
+
+  A model whose training config an earlier point's model has too (the two differ only in
+  NOT_TRAINING: a training-free looped row and its trained head, a looped schedule's first stages
+  and the row they repeat) trains once, in that earlier point's workdir and with its config. Later
+  stages then continue from there. A point whose own workdir for a model already holds checkpoints
+  (written before models were shared) keeps it, so an interrupted run resumes as it began.
+  """
+  owners, plans = {}, []
+  for config, workdir in points:
+    plan = []
+    for i, (c, d) in enumerate(_own_models(with_base(config, root), workdir)):
+      if i:
+        c.train.init_from = plan[-1][1]  # the previous stage, wherever it trained
+      trained = json.loads(c.to_json())
+      key = _digest({k: v for k, v in trained.items() if k not in NOT_TRAINING})
+      if key in owners and not _has_checkpoints(d):
+        c, d = owners[key]
+      owners.setdefault(key, (c, d))
+      plan.append((c, d))
+    plans.append(plan)
+  return plans
+
+
 def evaluate_workdir(workdir: str, draft_depth: int | None = None, *, write: bool = True,
-                     defaults: ml_collections.ConfigDict | None = None) -> dict:
+                     defaults: ml_collections.ConfigDict | None = None,
+                     config: ml_collections.ConfigDict | None = None, out_dir: str | None = None) -> dict:
   """Speculative decoding of the workdir's model on its config's prompt sets; writes eval.json/.md/.png
-  (unless `write` is False, e.g. for another draft depth than the run's own report). `defaults`
-  fill the config fields that a workdir of an older version lacks (training.saved_config).
+  to `out_dir` (default: the workdir) unless `write` is False (e.g. for another draft depth than the
+  run's own report). `config` (default: the workdir's own) says how to evaluate; `defaults` fill
+  the fields that a workdir of an older version lacks (training.saved_config).
 
   Refuses (workdir_lock.WorkdirLocked) a workdir that another process is training.
   """
   with workdir_lock.hold(workdir, create=False):
-    return _evaluate_workdir(workdir, draft_depth, write=write, defaults=defaults)
+    return _evaluate_workdir(workdir, draft_depth, write=write, defaults=defaults, config=config,
+                             out_dir=out_dir or workdir)
 
 
-def _evaluate_workdir(workdir, draft_depth, *, write, defaults):
-  model, config = training.restore_model(workdir, defaults=defaults)
+def _evaluate_workdir(workdir, draft_depth, *, write, defaults, config, out_dir):
+  model, saved = training.restore_model(workdir, defaults=defaults)
+  config = config or saved
   depth = draft_depth or config.eval.draft_depth or config.mtp.num_heads
   it = recipe.make_data_iterator(config, 'eval')
   heldout = evaluate.heldout_metrics(model, (next(it) for _ in range(config.train.eval_batches)))
@@ -148,7 +197,7 @@ def _evaluate_workdir(workdir, draft_depth, *, write, defaults):
       results[name].update(main_accuracy=main['accuracy'], main_loss=main['loss'])
     print(evaluate.markdown_table(results), flush=True)
   if write:
-    evaluate.write_report(results, workdir, heldout)
+    evaluate.write_report(results, out_dir, heldout)
   return {'prompt_sets': results, 'heldout': heldout}
 
 
@@ -215,15 +264,18 @@ def run_sweep(config: ml_collections.ConfigDict, sweep: list[dict], workdir: str
   checkpoint.check_options(config.ckpt.every_steps, config.ckpt.max_to_keep)
   points, refs = sweep_points(sweep), references(sweep)
   runs = []
-  for i in (range(len(points)) if indices is None else indices):
-    label, overrides = points[i]
+  for i, (label, overrides) in enumerate(points):
     for s in range(config.seeds):
       c = with_seed(config, s)
       c.update_from_flattened_dict(overrides)
-      validation.validate_config(c)  # every point, before any of them starts
-      runs.append((i, s, label, c))
-  for i, s, label, c in runs:
-    run_dir = _point_dir(workdir, i, s, len(points), config.seeds)
+      runs.append((i, s, label, c, _point_dir(workdir, i, s, len(points), config.seeds)))
+  # Every point's plan, run or not, so that a model is shared the same way whichever points run.
+  plans = training_plans([(c, run_dir) for *_, c, run_dir in runs], root)
+  runs = [(run, plan) for i in (range(len(points)) if indices is None else indices)
+          for run, plan in zip(runs, plans) if run[0] == i]
+  for (_, _, _, c, _), _ in runs:
+    validation.validate_config(c)  # every point, before any of them starts
+  for (i, s, label, c, run_dir), plan in runs:
     tag = f'[{label}{"" if config.seeds == 1 else f" seed {s}"}]'
     summary_path = os.path.join(run_dir, SUMMARY)
     training.check_workdir(with_base(c, root), run_dir)
@@ -234,7 +286,7 @@ def run_sweep(config: ml_collections.ConfigDict, sweep: list[dict], workdir: str
       print(f'{tag} finished earlier: {run_dir}', flush=True)
       continue
     print(f'{tag} workdir {run_dir}', flush=True)
-    run_point(c, run_dir, root=root, progress=progress)
+    run_point(c, run_dir, root=root, progress=progress, plan=plan)
   return write_sweep_report(config, points, workdir, results_dir, refs)
 
 

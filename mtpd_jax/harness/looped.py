@@ -12,8 +12,8 @@ import os
 
 import ml_collections
 
+from mtpd_jax import workdir_lock
 from mtpd_jax.harness import training
-
 
 
 def stage_configs(config: ml_collections.ConfigDict, workdir: str) -> list[tuple[ml_collections.ConfigDict, str]]:
@@ -35,8 +35,18 @@ def stage_configs(config: ml_collections.ConfigDict, workdir: str) -> list[tuple
 
 def run_looped(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True):
   """Train every stage in order; returns the last stage's (state, final metrics)."""
+  return run_stages(stage_configs(config, workdir), progress=progress)
+
+
+def run_stages(stages: list[tuple[ml_collections.ConfigDict, str]], *, progress: bool = True):
+  """Train each (config, workdir) in order, resuming or skipping what is done: a looped run's stages,
+  or a sweep point's models (`experiment.training_plans`), some of which another point may be
+  training in another process (then this one waits for it). Returns the last (state, final metrics).
+  """
   result = None
-  for stage_config, stage_dir in stage_configs(config, workdir):
-    print(f'[looped] {stage_config.mtp.num_heads} heads -> {stage_dir}', flush=True)
-    result = training.train_and_evaluate(stage_config, stage_dir, progress=progress)
+  for config, workdir in stages:
+    if len(stages) > 1:
+      print(f'[looped] {config.mtp.num_heads} heads -> {workdir}', flush=True)
+    with workdir_lock.hold(workdir, wait=True):
+      result = training.train_and_evaluate(config, workdir, progress=progress)
   return result
