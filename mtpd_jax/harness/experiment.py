@@ -103,12 +103,11 @@ def _run_point(config, workdir, *, root, progress, plan):
   plan = plan or own
   for (_, d), (_, own_dir) in zip(plan, own):
     if d != own_dir:
-      print(f'[shared] {own_dir} trains as {d} does: the model there is this one', flush=True)
+      print(f'[shared] {own_dir}: the same model as {d}, trained once there', flush=True)
   _, final = looped.run_stages(plan, progress=progress)
   # Evaluated as this point says (its eval.* may differ from the shared model's own run).
   eval_config, model_dir = own[-1][0], plan[-1][1]
-  num_heads = eval_config.mtp.num_heads
-  print(format_summary(final, num_heads), flush=True)
+  print(format_summary(final, eval_config.mtp.num_heads), flush=True)
   summary = {'config': _digest(original.to_json()), 'model_dir': model_dir, 'final': final,
              'eval': evaluate_workdir(model_dir, config=eval_config, out_dir=workdir)
                      if config.eval.enabled else None}
