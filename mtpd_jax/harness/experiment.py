@@ -126,11 +126,6 @@ def _own_models(config: ml_collections.ConfigDict, workdir: str) -> list[tuple[m
   return looped.stage_configs(config, workdir) if config.looped.schedule else [(config, workdir)]
 
 
-def _has_checkpoints(workdir: str) -> bool:
-  ckpt_dir = os.path.join(workdir, 'checkpoints')
-  return os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
-
-
 def training_plans(points: list[tuple[ml_collections.ConfigDict, str]], root: str = 'runs'
                    ) -> list[list[tuple[ml_collections.ConfigDict, str]]]:
   """Per (config, workdir) of a sweep's points, the (config, workdir) of each model it trains, in order.
@@ -149,7 +144,7 @@ def training_plans(points: list[tuple[ml_collections.ConfigDict, str]], root: st
         c.train.init_from = plan[-1][1]  # the previous stage, wherever it trained
       trained = json.loads(c.to_json())
       key = _digest({k: v for k, v in trained.items() if k not in NOT_TRAINING})
-      if key in owners and not _has_checkpoints(d):
+      if key in owners and not training.has_checkpoints(d):
         c, d = owners[key]
       owners.setdefault(key, (c, d))
       plan.append((c, d))

@@ -177,12 +177,16 @@ def resume_mismatch(saved: dict, current: dict) -> list[str]:
           and not (_inactive(a, k) and _inactive(b, k))]
 
 
+def has_checkpoints(workdir: str) -> bool:
+  ckpt_dir = os.path.join(workdir, 'checkpoints')
+  return os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+
+
 def check_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Refuse a workdir whose checkpoints this config must not touch: another model, a resume that
   would change the loss or the data order (MAY_CHANGE_ON_RESUME lists what may change),
   checkpoints without the config.json that says what they are, or any reuse under resume=never."""
-  ckpt_dir = os.path.join(workdir, 'checkpoints')
-  if not (os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))):
+  if not has_checkpoints(workdir):
     return
   if config.train.resume == 'never':
     raise ValueError(f'train.resume=never, but {workdir} already holds checkpoints; choose a fresh --workdir')
