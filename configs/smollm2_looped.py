@@ -3,12 +3,13 @@
 Every row trains on the frozen pretrained trunk (configs/smollm2_mtpd.py). Rows: MTP-D with K=1;
 the same head looped to draft depth 8 without training (MTP-D*: depth j reuses head 1); and
 trained looping 1 -> 2 -> 4 -> 8, where each stage copies the trained heads and trains only the
-copies. `smollm2_looped:quick` runs on two CPU cores in about 25 minutes. `smollm2_looped:cpu` is
-the two-core recipe of smollm2_mtpd:cpu (the frozen trunk's cached states) at half
-its steps per row and a quarter per looped stage. It does not fit 90 minutes yet and has not run to
-the end: on 2026-12-06 its first row took 19.7 min to train and 18.3 min to evaluate, and every row
-trains the same K=1 head again (the training-free row to evaluate it, the trained loop as its first
-stage) before the loop's 2-, 4- and 8-head stages: an estimated 2.5 hours in all.
+copies. A sweep trains the K=1 head once: the training-free row evaluates it, and the trained
+loop continues from it (experiment.training_plans). `smollm2_looped:quick` runs on two CPU cores in
+at most about 25 minutes. `smollm2_looped:cpu` is the two-core recipe of smollm2_mtpd:cpu (the frozen
+trunk's cached states) with one head, 200 steps, and a loop to depth 4 (1 -> 2 -> 4, 50 steps per
+stage): depth 8 would add two more evaluated depths and a stage of eight heads. It does not fit 90
+minutes: at 2de2fed it took 2 h 9 min beside a test run (docs/results.md), 75 minutes of which
+were the three rows' decoding evaluations at 64 prompts per set.
 """
 
 from configs import smollm2_mtpd
