@@ -426,7 +426,8 @@ def generate_split(structure: Structure, leaves, prompts, *, max_new_tokens: int
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'draft_depth'))
-def _looped_forward(structure: Structure, leaves, tokens_BxT, draft_depth: int):
+def looped_forward_split(structure: Structure, leaves, tokens_BxT, draft_depth: int):
+  """`looped_forward` for a model split by `split(model, out_major=False)`."""
   model = structure.merge(leaves)
   b, t = tokens_BxT.shape
   pos_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -446,4 +447,4 @@ def looped_forward(model: MTPTransformer, tokens_BxT, draft_depth: int):
 
   Depth j at position i runs head ((j-1) mod K)+1 on h^{j-1}_i and token i+j.
   """
-  return _looped_forward(*split(model, out_major=False), jnp.asarray(tokens_BxT, jnp.int32), draft_depth)
+  return looped_forward_split(*split(model, out_major=False), jnp.asarray(tokens_BxT, jnp.int32), draft_depth)

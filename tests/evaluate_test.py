@@ -54,6 +54,27 @@ def test_evaluate_prompt_set_and_write_report(tmp_path):
   assert 'accuracy 25.00%' in (tmp_path / 'plain_lm' / 'eval.md').read_text()
 
 
+def test_timed_decode_gives_each_prompt_its_own_generation_and_compiles_a_shape_once():
+  model = MTPTransformer(CFG, rngs=nnx.Rngs(3))
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(1, 32, n) for n in (5, 70, 3, 7, 2)]  # batches of 2: padded to 64, 64, 128
+  settings = {'plain': dict(max_new_tokens=6), 'spec': dict(max_new_tokens=6, draft_depth=3)}
+  compiled = set()
+  runs = evaluate.timed_decode(model, prompts, settings, batch_size=2, repeats=2, compiled=compiled)
+  assert compiled == {(name, (2, p)) for name in settings for p in (64, 128)}
+  for name, kwargs in settings.items():
+    gen, seconds = runs[name]
+    assert seconds > 0 and len(gen.tokens) == len(prompts)
+    for p, tokens, accepts in zip(prompts, gen.tokens, gen.accept_lengths):  # in the prompts' order
+      alone = decode.generate(model, [p], pad_multiple=64 * (1 + (len(p) > 64)), **kwargs)
+      np.testing.assert_array_equal(tokens, alone.tokens[0])
+      np.testing.assert_array_equal(accepts, alone.accept_lengths[0])
+  assert all(np.array_equal(a, b) for a, b in zip(runs['plain'][0].tokens, runs['spec'][0].tokens))
+  # Another prompt set under the same settings compiles nothing new.
+  evaluate.timed_decode(model, prompts[:2], settings, batch_size=2, repeats=1, compiled=compiled)
+  assert len(compiled) == 4
+
+
 def test_teacher_forced_in_batches_equals_the_whole_set_at_once():
   model = MTPTransformer(CFG, rngs=nnx.Rngs(2))
   rng = np.random.default_rng(2)
@@ -66,11 +87,21 @@ def test_teacher_forced_in_batches_equals_the_whole_set_at_once():
     valid_BxT[b, len(p) - 1:len(p) + len(c)] = True
   want = metrics.teacher_forced_stats(np.argmax(logits_BxTxV, -1), np.argmax(draft_logits_JxBxTxV, -1), valid_BxT)
   assert want['steps'] == sum(len(c) - 2 for c in continuations)  # a chain needs 4 of len(c) + 1 valid
+  # The main head on the prompts' own next tokens, as a held-out batch of the prompts counts it.
+  t = max(map(len, prompts)) - 1
+  prompt_batch = {k: np.zeros((len(prompts), t), np.int32) for k in ('inputs', 'targets', 'segment_ids')}
+  for b, p in enumerate(prompts):
+    prompt_batch['inputs'][b, :len(p) - 1], prompt_batch['targets'][b, :len(p) - 1] = p[:-1], p[1:]
+    prompt_batch['segment_ids'][b, :len(p) - 1] = 1
+  main = evaluate.heldout_metrics(model, [{**prompt_batch, 'target_segment_ids': prompt_batch['segment_ids']}])
+  assert main['tokens'] == sum(len(p) - 1 for p in prompts)
   for batch_size in (1, 2, 8):  # 5 rows: padded last batches, and one batch larger than the set
     got = evaluate.teacher_forced(model, prompts, continuations, 3, batch_size)
-    assert got.keys() == want.keys()
+    assert got.keys() == want.keys() | {'main_loss', 'main_accuracy'}
     for key in want:
       np.testing.assert_array_equal(got[key], want[key], err_msg=f'{key} at batch size {batch_size}')
+    assert got['main_loss'] == pytest.approx(main['loss'], rel=1e-5)
+    assert got['main_accuracy'] == pytest.approx(main['accuracy'])
 
 
 def test_heldout_metrics_matches_a_direct_computation():

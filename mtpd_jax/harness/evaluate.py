@@ -19,6 +19,7 @@ import optax
 
 from mtpd_jax import decode, losses, metrics
 from mtpd_jax.model import MTPTransformer
+from mtpd_jax.shifts import shift_left
 
 
 def frequent_tokens(tokens, size: int) -> np.ndarray:
@@ -38,36 +39,38 @@ def _batches(prompts, batch_size: int):
     yield idx, [prompts[k] for k in idx] + [prompts[idx[0]]] * (batch_size - len(idx))
 
 
-def _decode_batches(structure, leaves, prompts, batch_size, pad_multiple, kwargs):
-  """(Generation in prompt order, wall-clock seconds of each batch)."""
-  batches, outs, seconds = list(_batches(prompts, batch_size)), [], []
-  for _, batch in batches:
-    start = time.perf_counter()
-    outs.append(decode.generate_split(structure, leaves, batch, pad_multiple=pad_multiple, **kwargs))
-    seconds.append(time.perf_counter() - start)
-  tokens, accepts = [None] * len(prompts), [None] * len(prompts)
-  for (idx, _), out in zip(batches, outs):
-    for row, k in enumerate(idx):
-      tokens[k], accepts[k] = out.tokens[row], out.accept_lengths[row]
-  return decode.Generation(tokens, accepts), seconds
-
-
 def timed_decode(model: MTPTransformer, prompts, settings: dict[str, dict], *, batch_size: int = 8,
-                 pad_multiple: int = 64, repeats: int = 3) -> dict[str, tuple[decode.Generation, float]]:
+                 pad_multiple: int = 64, repeats: int = 3,
+                 compiled: set | None = None) -> dict[str, tuple[decode.Generation, float]]:
   """Decode all prompts under each named `generate` setting: outputs and wall-clock seconds.
 
-  The first pass compiles every batch shape and is not timed; later passes alternate between the
-  settings, so a change in machine load hits them alike. The time is the sum over batches of each
-  batch's best of `repeats`, which filters out interruptions by other processes.
+  Batch by batch, the settings take turns, so a change in machine load hits them alike. A setting
+  runs a batch shape (padded prompt length) it has not run before once untimed, to compile; the
+  time is the sum over batches of each batch's best of `repeats`, which filters out interruptions
+  by other processes. `compiled` holds the (setting, shape) pairs already compiled; pass one set to
+  calls that decode the same model under the same settings, so that only the first compiles.
   """
   structure, leaves = decode.split(model)
-  out, best = {}, {}
-  for r in range(max(repeats, 1) + 1):
+  compiled = set() if compiled is None else compiled
+  out = {name: [None] * len(prompts) for name in settings}
+  seconds = dict.fromkeys(settings, 0.0)
+  for idx, batch in _batches(prompts, batch_size):
+    shape = decode.pad_prompts(batch, pad_multiple)[0].shape
     for name, kwargs in settings.items():
-      out[name], seconds = _decode_batches(structure, leaves, prompts, batch_size, pad_multiple, kwargs)
-      if r:
-        best[name] = np.minimum(best.get(name, math.inf), seconds)
-  return {name: (out[name], float(np.sum(best[name]))) for name in settings}
+      if (name, shape) not in compiled:
+        decode.generate_split(structure, leaves, batch, pad_multiple=pad_multiple, **kwargs)
+        compiled.add((name, shape))
+    best = dict.fromkeys(settings, math.inf)
+    for _ in range(max(repeats, 1)):
+      for name, kwargs in settings.items():
+        start = time.perf_counter()
+        gen = decode.generate_split(structure, leaves, batch, pad_multiple=pad_multiple, **kwargs)
+        best[name] = min(best[name], time.perf_counter() - start)
+        for row, k in enumerate(idx):
+          out[name][k] = gen.tokens[row], gen.accept_lengths[row]
+    for name in settings:
+      seconds[name] += best[name]
+  return {name: (decode.Generation(*map(list, zip(*out[name]))), seconds[name]) for name in settings}
 
 
 def step_seconds(model: MTPTransformer, prompts, settings: dict[str, decode.DecodeOptions], *,
@@ -90,40 +93,62 @@ def step_seconds(model: MTPTransformer, prompts, settings: dict[str, decode.Deco
   best = {}
   for r in range(max(repeats, 1) + 1):
     for name, opts in settings.items():
-      for n in (8, 8 + num_steps):
+      for n in (8, 8 + num_steps) if r else (8,):  # round 0 compiles (one program for any count)
         start = time.perf_counter()
         jax.block_until_ready(decode.jit_steps(*splits[layouts[name]], states[name], opts, n, vocabs[name]))
-        if r:  # the first round compiles
+        if r:
           best[name, n] = min(best.get((name, n), math.inf), time.perf_counter() - start)
   return {name: max(best[name, 8 + num_steps] - best[name, 8], 1e-9) / num_steps for name in settings}
 
 
+@functools.partial(jax.jit, static_argnames=('structure', 'draft_depth'))
+def _teacher_forced_batch(structure: decode.Structure, leaves, tokens_BxT, scored_BxT, draft_depth: int):
+  """Argmax ids of the main head (BxT) and of each draft depth (JxBxT), and the main head's summed
+  cross-entropy, correct predictions and count of the next tokens where `scored_BxT`."""
+  logits_BxTxV, draft_logits_JxBxTxV = decode.looped_forward_split(structure, leaves, tokens_BxT, draft_depth)
+  main_BxT, targets_BxT = jnp.argmax(logits_BxTxV, axis=-1), shift_left(tokens_BxT, 1)
+  mask_BxT = scored_BxT.astype(jnp.float32)
+  xent_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
+  return (main_BxT, jnp.argmax(draft_logits_JxBxTxV, axis=-1), jnp.sum(xent_BxT * mask_BxT),
+          jnp.sum((main_BxT == targets_BxT) * mask_BxT), jnp.sum(mask_BxT))
+
+
 def teacher_forced(model: MTPTransformer, prompts, continuations, draft_depth: int, batch_size: int = 8) -> dict:
-  """Teacher-forced AR/CAR on prompt + continuation, over chains that lie inside the continuation.
+  """Teacher-forced AR/CAR on prompt + continuation, over chains that lie inside the continuation,
+  and the main head's next-token loss and accuracy on the prompts (`main_loss`, `main_accuracy`:
+  as `heldout_metrics` counts them, from the same forward pass).
 
   Runs `batch_size` sequences at a time and keeps only the argmax ids: the logits of a whole
   prompt set at once (B x T x V, times 1 + J) took gigabytes and minutes on a real vocabulary.
   """
   seqs = [np.concatenate([p, c]) for p, c in zip(prompts, continuations)]
   tokens_BxT, _ = decode.pad_prompts(seqs, 64)
-  valid_BxT = np.zeros(tokens_BxT.shape, bool)
+  valid_BxT, scored_BxT = np.zeros(tokens_BxT.shape, bool), np.zeros(tokens_BxT.shape, bool)
   for b, (p, c) in enumerate(zip(prompts, continuations)):
     valid_BxT[b, len(p) - 1:len(p) + len(c)] = True  # main logits there predict continuation tokens
+    scored_BxT[b, :len(p) - 1] = True  # and these the prompt's own
   n = len(seqs)
-  rows_NxT = np.concatenate([tokens_BxT, np.zeros((-n % batch_size, tokens_BxT.shape[1]), np.int32)])
-  main, drafts = [], []
+  pad = lambda x_BxT: np.concatenate([x_BxT, np.zeros((-n % batch_size, x_BxT.shape[1]), x_BxT.dtype)])
+  rows_NxT, scored_NxT = pad(tokens_BxT), pad(scored_BxT)
+  structure, leaves = decode.split(model, out_major=False)
+  main, drafts, totals = [], [], np.zeros(3)
   for i in range(0, len(rows_NxT), batch_size):  # one shape, one compilation
-    logits_BxTxV, draft_logits_JxBxTxV = decode.looped_forward(model, rows_NxT[i:i + batch_size], draft_depth)
-    main.append(np.asarray(jnp.argmax(logits_BxTxV, axis=-1)))
-    drafts.append(np.asarray(jnp.argmax(draft_logits_JxBxTxV, axis=-1)))
+    *ids, xent, correct, count = _teacher_forced_batch(structure, leaves, rows_NxT[i:i + batch_size],
+                                                        scored_NxT[i:i + batch_size], draft_depth)
+    main.append(np.asarray(ids[0]))
+    drafts.append(np.asarray(ids[1]))
+    totals += [float(xent), float(correct), float(count)]
   main_BxT, draft_JxBxT = np.concatenate(main)[:n], np.concatenate(drafts, axis=1)[:, :n]
-  return metrics.teacher_forced_stats(main_BxT, draft_JxBxT, valid_BxT)
+  stats = metrics.teacher_forced_stats(main_BxT, draft_JxBxT, valid_BxT)
+  loss, correct = (totals[:2] / totals[2]) if totals[2] else (math.nan, math.nan)  # 1-token prompts: none
+  return {**stats, 'main_loss': float(loss), 'main_accuracy': float(correct)}
 
 
 def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max_new_tokens: int,
                         batch_size: int = 8, stop_tokens=(), pad_multiple: int = 64,
                         repeats: int = 3, timing_steps: int = 256, timing_repeats: int = 5,
-                        draft_vocab=None, draft_min_prob: float = 0.0, tree=()) -> dict:
+                        draft_vocab=None, draft_min_prob: float = 0.0, tree=(),
+                        compiled: set | None = None) -> dict:
   """Greedy speculative vs plain decoding of one prompt set: acceptance, speedups, losslessness.
 
   `draft_vocab`: token ids that the drafts are chosen from (`frequent_tokens`); None = all.
@@ -131,6 +156,7 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max
   not proposed as not accepted, so they describe the decoder, not the heads (`tf_ar` does).
   `tree`: greedy tree drafts (`decode.generate`); `ar`/`car` and `accept_len` are then those of
   the path each step kept.
+  `compiled`: as in `timed_decode`.
   """
   tree = tuple(int(b) for b in tree)
   stop = tuple(int(t) for t in stop_tokens)
@@ -138,7 +164,8 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max
                                        'spec': dict(max_new_tokens=max_new_tokens, stop_tokens=stop,
                                                     draft_depth=draft_depth, draft_vocab=draft_vocab,
                                                     draft_min_prob=draft_min_prob, tree=tree)},
-                      batch_size=batch_size, pad_multiple=pad_multiple, repeats=repeats)
+                      batch_size=batch_size, pad_multiple=pad_multiple, repeats=repeats,
+                      compiled=compiled)
   (plain, plain_s), (spec, spec_s) = runs['plain'], runs['spec']
   stats = metrics.acceptance_stats(np.concatenate(spec.accept_lengths), draft_depth)
   plain_tokens, spec_tokens = sum(map(len, plain.tokens)), sum(map(len, spec.tokens))
@@ -164,14 +191,18 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max
       'verify_cost_ratio': spec_step / plain_step,
       'speedup_analytic': stats['tokens_per_forward'] / (spec_step / plain_step),
       'tf_ar': tf['ar'], 'tf_car': tf['car'],
+      # The main head's own quality on the prompts (Table 2's left half).
+      'main_accuracy': tf['main_accuracy'], 'main_loss': tf['main_loss'],
       # Per prompt, in prompt order: what a paired comparison of two models resamples (report.py).
       'per_prompt': metrics.per_prompt_counts(spec.accept_lengths),
   }
 
 
 def evaluate_prompt_sets(model: MTPTransformer, prompt_sets: dict[str, list[np.ndarray]], **kwargs) -> dict:
-  """`evaluate_prompt_set` for each named set (keyword arguments as there)."""
-  return {name: evaluate_prompt_set(model, prompts, **kwargs) for name, prompts in prompt_sets.items()}
+  """`evaluate_prompt_set` for each named set (keyword arguments as there); shapes compile once."""
+  compiled = set()
+  return {name: evaluate_prompt_set(model, prompts, compiled=compiled, **kwargs)
+          for name, prompts in prompt_sets.items()}
 
 
 @functools.partial(jax.jit, static_argnames=('structure',))
@@ -186,20 +217,6 @@ def _heldout_sums(structure: decode.Structure, leaves, batch):
   xent_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch['targets'])
   correct_BxT = jnp.argmax(logits_BxTxV, axis=-1) == batch['targets']
   return jnp.sum(xent_BxT * mask_BxT), jnp.sum(correct_BxT * mask_BxT), jnp.sum(mask_BxT)
-
-
-def prompt_batches(prompts, batch_size: int, pad_multiple: int = 32):
-  """Teacher-forced batches over prompt token arrays (next token of each prompt position), padded."""
-  for i in range(0, len(prompts), batch_size):
-    chunk = prompts[i:i + batch_size]
-    t = -(-max(len(p) - 1 for p in chunk) // pad_multiple) * pad_multiple
-    batch = {k: np.zeros((len(chunk), t), np.int32) for k in ('inputs', 'targets', 'segment_ids',
-                                                              'target_segment_ids')}
-    for b, p in enumerate(chunk):
-      n = len(p) - 1
-      batch['inputs'][b, :n], batch['targets'][b, :n] = p[:-1], p[1:]
-      batch['segment_ids'][b, :n] = batch['target_segment_ids'][b, :n] = 1
-    yield batch
 
 
 def heldout_metrics(model: MTPTransformer, batches) -> dict:

@@ -186,9 +186,6 @@ def _evaluate_workdir(workdir, draft_depth, *, write, defaults, config, out_dir)
                                             timing_repeats=e.timing_repeats,
                                             draft_vocab=draft_vocab(config) if e.get('draft_vocab', 0) else None,
                                             draft_min_prob=e.get('draft_min_prob', 0.0), tree=tuple(e.get('tree', ())))
-    for name, prompts in sets.items():  # the main head's own quality on each set (Table 2's left half)
-      main = evaluate.heldout_metrics(model, evaluate.prompt_batches(prompts, e.batch_size))
-      results[name].update(main_accuracy=main['accuracy'], main_loss=main['loss'])
     print(evaluate.markdown_table(results), flush=True)
   if write:
     evaluate.write_report(results, out_dir, heldout)
