@@ -133,10 +133,10 @@ def teacher_forced(model: MTPTransformer, prompts, continuations, draft_depth: i
   structure, leaves = decode.split(model, out_major=False)
   main, drafts, totals = [], [], np.zeros(3)
   for i in range(0, len(rows_NxT), batch_size):  # one shape, one compilation
-    *ids, xent, correct, count = _teacher_forced_batch(structure, leaves, rows_NxT[i:i + batch_size],
-                                                        scored_NxT[i:i + batch_size], draft_depth)
-    main.append(np.asarray(ids[0]))
-    drafts.append(np.asarray(ids[1]))
+    main_ids, draft_ids, xent, correct, count = _teacher_forced_batch(
+        structure, leaves, rows_NxT[i:i + batch_size], scored_NxT[i:i + batch_size], draft_depth)
+    main.append(np.asarray(main_ids))
+    drafts.append(np.asarray(draft_ids))
     totals += [float(xent), float(correct), float(count)]
   main_BxT, draft_JxBxT = np.concatenate(main)[:n], np.concatenate(drafts, axis=1)[:, :n]
   stats = metrics.teacher_forced_stats(main_BxT, draft_JxBxT, valid_BxT)
