@@ -7,9 +7,9 @@ copies. A sweep trains the K=1 head once: the training-free row evaluates it, an
 loop continues from it (experiment.training_plans). `smollm2_looped:quick` runs on two CPU cores in
 at most about 25 minutes. `smollm2_looped:cpu` is the two-core recipe of smollm2_mtpd:cpu (the frozen
 trunk's cached states) with one head, 200 steps, and a loop to depth 4 (1 -> 2 -> 4, 50 steps per
-stage): depth 8 would add two more evaluated depths and a stage of eight heads. It does not fit 90
-minutes: at 2de2fed it took 2 h 9 min beside a test run (docs/results.md), 75 minutes of which
-were the three rows' decoding evaluations at 64 prompts per set.
+stage): depth 8 would add two more evaluated depths and a stage of eight heads. At bfdf364 it took
+1 h 34 min from an empty cache, alone on two cores (docs/results.md), 44 minutes of which were the
+three rows' decoding evaluations at 64 prompts per set.
 """
 
 from configs import smollm2_mtpd
