@@ -147,7 +147,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval.draft_min_prob = 0.0
   # tree drafts: branching per depth, one entry per draft depth, e.g. (3, 2, 1, 1); () = a chain
   c.eval.tree = ()
-  c.eval.repeats = 3              # timed runs of each batch per decoding (best of); a new shape compiles first
+  c.eval.repeats = 3              # timed runs of each batch per decoding (best of); a shape new to the model compiles first
   c.eval.timing_steps = 256       # decoding steps timed per setting for the analytic speedup
   c.eval.timing_repeats = 5       # timed passes of those steps (best of)
 
