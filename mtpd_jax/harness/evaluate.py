@@ -106,11 +106,8 @@ def _teacher_forced_batch(structure: decode.Structure, leaves, tokens_BxT, score
   """Argmax ids of the main head (BxT) and of each draft depth (JxBxT), and the main head's summed
   cross-entropy, correct predictions and count of the next tokens where `scored_BxT`."""
   logits_BxTxV, draft_logits_JxBxTxV = decode.looped_forward_split(structure, leaves, tokens_BxT, draft_depth)
-  main_BxT, targets_BxT = jnp.argmax(logits_BxTxV, axis=-1), shift_left(tokens_BxT, 1)
-  mask_BxT = scored_BxT.astype(jnp.float32)
-  xent_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
-  return (main_BxT, jnp.argmax(draft_logits_JxBxTxV, axis=-1), jnp.sum(xent_BxT * mask_BxT),
-          jnp.sum((main_BxT == targets_BxT) * mask_BxT), jnp.sum(mask_BxT))
+  sums = _next_token_sums(logits_BxTxV, shift_left(tokens_BxT, 1), scored_BxT)
+  return (jnp.argmax(logits_BxTxV, axis=-1), jnp.argmax(draft_logits_JxBxTxV, axis=-1), *sums)
 
 
 def teacher_forced(model: MTPTransformer, prompts, continuations, draft_depth: int, batch_size: int = 8) -> dict:
@@ -213,9 +210,14 @@ def _heldout_sums(structure: decode.Structure, leaves, batch):
     mask_BxT = losses.target_mask(batch['segment_ids'], batch['target_segment_ids'], 0)
   else:
     mask_BxT = jnp.ones(batch['targets'].shape, bool)
+  return _next_token_sums(logits_BxTxV, batch['targets'], mask_BxT)
+
+
+def _next_token_sums(logits_BxTxV, targets_BxT, mask_BxT):
+  """Summed cross-entropy, correct argmax predictions and counted targets where `mask_BxT`."""
   mask_BxT = mask_BxT.astype(jnp.float32)
-  xent_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch['targets'])
-  correct_BxT = jnp.argmax(logits_BxTxV, axis=-1) == batch['targets']
+  xent_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
+  correct_BxT = jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT
   return jnp.sum(xent_BxT * mask_BxT), jnp.sum(correct_BxT * mask_BxT), jnp.sum(mask_BxT)
 
 
