@@ -83,11 +83,13 @@ def _decode_trace(structure, leaves, prompt_BxP, prompt_len_B, opts, num_steps):
   return trace, st.accept_BxI
 
 
-@pytest.mark.parametrize('depth', [0, 3])
+@pytest.mark.parametrize('depth', [0, 1, 2, 3])  # plain, below K=2 (every K=1 row drafts at 1), K, looped
 def test_kv_cache_decoding_matches_full_recomputation(trained, depth):
   """Main and draft logits of every step equal the teacher-forced looped forward (f32, 1e-4).
 
   Speculative decoding samples here (temperature 1), since only sampling keeps the draft logits.
+  Every depth 1..K+1: the head caches' refresh window is 2J positions, and a window one short
+  misses slots only at J = 1.
   """
   opts = decode.DecodeOptions(max_new_tokens=12, draft_depth=depth, temperature=1.0 if depth else 0.0)
   prompt_BxP, lens_B = decode.pad_prompts(_prompts(), 16)
@@ -102,14 +104,15 @@ def test_kv_cache_decoding_matches_full_recomputation(trained, depth):
     if depth:
       full_BxJxV = np.swapaxes(full_drafts_JxBxSxV[:, rows, last_B], 0, 1)
       np.testing.assert_allclose(draft_logits_BxJxV, full_BxJxV, atol=1e-4, rtol=1e-4)
-  if depth:  # accepted and rolled-back drafts were both seen, and some sequence finished early
+  if depth:  # accepted and rolled-back drafts were both seen, and (J > 1) some sequence finished early
     seen = set(np.asarray(accepts_BxI)[:, :5].ravel().tolist())
-    assert {-1, 0} <= seen and max(seen) > 0
+    assert 0 in seen and max(seen) > 0 and (depth == 1 or -1 in seen)
 
 
-def test_online_greedy_acceptance_equals_teacher_forced_chains(trained):
+@pytest.mark.parametrize('depth', [1, 2, 3])  # depth 3 runs head 1 again (looped)
+def test_online_greedy_acceptance_equals_teacher_forced_chains(trained, depth):
   """Each online step's accepted length = the teacher-forced chain at its last trunk position."""
-  depth, prompts = 3, _prompts()  # looped: depth 3 runs head 1 again
+  prompts = _prompts()
   spec = decode.generate(trained, prompts, max_new_tokens=MAX_NEW, draft_depth=depth, stop_tokens=STOP)
   greedy = decode.generate(trained, prompts, max_new_tokens=MAX_NEW)  # past the stop tokens
   tokens_BxT, _ = decode.pad_prompts([np.concatenate([p, t]) for p, t in zip(prompts, greedy.tokens)], 16)
@@ -215,6 +218,38 @@ def test_draft_vocabulary_keeps_greedy_output_and_is_checked(models):
       decode.check_draft_vocab(np.asarray(bad), structure)
 
 
+def _drafted_ids(structure, leaves, prompts, opts, num_steps=MAX_NEW):
+  """Every token id that greedy drafting proposes to unfinished sequences (any path) in `num_steps` steps."""
+  prompt_BxP, lens_B = decode.pad_prompts(prompts)
+  st = decode.jit_prefill(structure, leaves, prompt_BxP, lens_B, jax.random.key(0), opts)
+  ids = set()
+  for _ in range(num_steps):
+    tokens_RxS, length_R, done_R = map(np.asarray, (st.tokens_BxS, st.length_B, st.done_B))
+    for tokens_S, n, done in zip(tokens_RxS, length_R, done_R):
+      ids.update([] if done else tokens_S[n:n + opts.draft_depth].tolist())
+    st = decode.jit_steps(structure, leaves, st, opts, 1)
+  return ids
+
+
+@pytest.mark.parametrize('tree', [(), (2, 1)])
+def test_a_draft_vocabulary_holding_every_drafted_id_accepts_exactly_as_the_full_vocabulary(trained, tree):
+  """Drafts over U ids are the full-vocabulary drafts whenever U holds them: the argmax (or top b_j)
+  among U is then the one over V, so every step accepts the same length. The ids come in a shuffled
+  order, so a draft index mapped to the wrong id (or read as an id) changes what is accepted, which
+  no losslessness test can see."""
+  structure, leaves = decode.split(trained)
+  kwargs = dict(max_new_tokens=MAX_NEW, draft_depth=3 if not tree else len(tree), stop_tokens=STOP, tree=tree)
+  ids = _drafted_ids(structure, leaves, _prompts(), decode.DecodeOptions(
+      MAX_NEW, kwargs['draft_depth'], stop_tokens=STOP, tree=tree))
+  assert 3 <= len(ids) < CFG.vocab_size, ids  # a real subset
+  vocab = np.random.default_rng(0).permutation(sorted(ids))
+  full = decode.generate_split(structure, leaves, _prompts(), **kwargs)
+  sub = decode.generate_split(structure, leaves, _prompts(), draft_vocab=vocab, **kwargs)
+  for want, got in zip(full.accept_lengths, sub.accept_lengths):
+    np.testing.assert_array_equal(got, want)
+  assert np.concatenate(full.accept_lengths).sum() > 10
+
+
 def test_both_matrix_layouts_decode_the_same_greedy_tokens(trained):
   """`decode.split(out_major=...)`: the CPU default (W @ x^T) and the training layout (x @ W) give
   the same greedy output, plain and as a tree deeper than K over a draft vocabulary."""
@@ -283,6 +318,42 @@ def test_adaptive_depth_keeps_greedy_output_and_proposes_the_confident_prefix(mo
   assert 0 < st.num_drafts_B.min() < 3 or 0 < st.num_drafts_B.max() < 3
   with pytest.raises(ValueError, match='draft_min_prob=1.5'):
     decode.generate(models['random'], prompts, max_new_tokens=2, draft_depth=1, draft_min_prob=1.5)
+
+
+@functools.partial(jax.jit, static_argnames=('structure', 'opts', 'num_steps'))
+def _proposed_and_accepted(structure, leaves, prompt_BxP, prompt_len_B, opts, num_steps):
+  """Per step, the drafts each sequence proposed (adaptive depth) and how many were accepted."""
+  model = structure.merge(leaves)
+  st = decode.prefill(model, prompt_BxP, prompt_len_B, jax.random.key(0), opts)
+  st, proposed_IxB = jax.lax.scan(lambda st, _: (decode.step(model, st, opts), st.num_drafts_B), st,
+                                  length=num_steps)
+  return proposed_IxB.T, st.accept_BxI[:, :num_steps]
+
+
+@pytest.mark.parametrize('temperature', [0.0, 1.0])
+def test_adaptive_depth_never_accepts_a_draft_it_did_not_propose(trained, temperature):
+  """AR, CAR and tokens per forward count an unproposed draft as rejected (docs/design.md,
+  "Metrics"), even where it happens to match: accepted <= proposed at every step, and at
+  draft_min_prob = 1.0 (nothing proposed) every accepted length is 0, though the chain accepts."""
+  prompt_BxP, lens_B = decode.pad_prompts(_prompts())
+  structure, leaves = decode.split(trained)
+  steps = {}
+  for min_prob in (0.0, 0.6, 1.0):
+    opts = decode.DecodeOptions(MAX_NEW, 3, temperature=temperature, draft_min_prob=min_prob)
+    if min_prob:
+      proposed_BxI, accepted_BxI = map(np.asarray, _proposed_and_accepted(structure, leaves, prompt_BxP, lens_B,
+                                                                           opts, 8))
+      live_BxI = accepted_BxI >= 0
+      assert (accepted_BxI[live_BxI] <= proposed_BxI[live_BxI]).all(), min_prob
+      steps[min_prob] = proposed_BxI[live_BxI], accepted_BxI[live_BxI]
+    else:
+      accepted_BxI = np.asarray(decode.jit_steps(structure, leaves, decode.jit_prefill(
+          structure, leaves, prompt_BxP, lens_B, jax.random.key(0), opts), opts, 8).accept_BxI[:, :8])
+      steps[min_prob] = None, accepted_BxI[accepted_BxI >= 0]
+  assert (steps[1.0][0] == 0).all() and (steps[1.0][1] == 0).all()
+  assert steps[0.0][1].sum() > 0  # the heads' drafts do match: without the rule some would count
+  proposed, accepted = steps[0.6]
+  assert (proposed < 3).any() and (accepted == proposed).any() and (accepted < proposed).any()
 
 
 def _drawn_draft_probability(logits_BxV, draft_B, opts):  # a broken rule: it reads the draw

@@ -19,6 +19,15 @@ def test_acceptance_stats_on_a_hand_made_pattern():
   assert stats['steps'] == 8
 
 
+def test_per_prompt_counts_are_the_sums_that_give_each_prompts_ar1_and_tokens_per_forward():
+  counts = metrics.per_prompt_counts([[0, 1, 3, 2], [], [0, 0, 2]])
+  assert counts == {'steps': [4, 0, 3], 'accepted_1': [3, 0, 1], 'accepted': [6, 0, 2]}
+  # Pooled over prompts they are acceptance_stats of all steps: AR1 = 4 / 7, 1 + 8 / 7 tokens per forward.
+  stats = metrics.acceptance_stats([0, 1, 3, 2, 0, 0, 2], 3)
+  assert stats['ar'][0] == pytest.approx(sum(counts['accepted_1']) / sum(counts['steps']))
+  assert stats['tokens_per_forward'] == pytest.approx(1 + sum(counts['accepted']) / sum(counts['steps']))
+
+
 def test_depth_never_reached_gives_nan_and_out_of_range_lengths_raise():
   stats = metrics.acceptance_stats([0, 1, 0], 3)
   assert stats['ar'][:2] == pytest.approx([1 / 3, 0.0]) and math.isnan(stats['ar'][2])
