@@ -1,12 +1,17 @@
 """Sweep reports: the paired bootstrap of two rows' acceptance on the same prompts, and its table."""
 
 import json
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
 import pytest
 
-from mtpd_jax.harness import experiment, report
+from mtpd_jax.harness import experiment, paired, report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _counts(steps, acc1, acc):
@@ -15,7 +20,7 @@ def _counts(steps, acc1, acc):
 
 def test_identical_rows_differ_by_exactly_zero():
   a = _counts([10, 20, 30], [3, 9, 12], [4, 12, 20])
-  d = report.paired_bootstrap(a, a.copy())
+  d = paired.paired_bootstrap(a, a.copy())
   for key in ('ar1', 'tokens_per_forward'):
     assert d[key] == {'diff': 0.0, 'lo': 0.0, 'hi': 0.0, 'verdict': 'inconclusive'}
 
@@ -23,12 +28,12 @@ def test_identical_rows_differ_by_exactly_zero():
 def test_the_difference_is_of_pooled_rates_and_a_uniform_gain_is_higher():
   b = _counts([10, 20, 30, 40], [2, 4, 6, 8], [2, 5, 6, 9])
   a = _counts([10, 20, 30, 40], [5, 10, 15, 20], [6, 12, 18, 25])
-  d = report.paired_bootstrap(a, b)
+  d = paired.paired_bootstrap(a, b)
   assert d['prompts'] == 4
   assert d['ar1']['diff'] == pytest.approx(50 / 100 - 20 / 100)
   assert d['tokens_per_forward']['diff'] == pytest.approx(61 / 100 - 22 / 100)
   assert 0 < d['ar1']['lo'] <= d['ar1']['diff'] <= d['ar1']['hi'] and d['ar1']['verdict'] == 'higher'
-  assert report.paired_bootstrap(b, a)['ar1']['verdict'] == 'lower'
+  assert paired.paired_bootstrap(b, a)['ar1']['verdict'] == 'lower'
 
 
 def test_prompts_without_a_step_leave_no_nan_in_the_interval():
@@ -38,10 +43,10 @@ def test_prompts_without_a_step_leave_no_nan_in_the_interval():
   a = _counts([0, 12, 0, 20], [0, 6, 0, 10], [0, 7, 0, 12])
   with warnings.catch_warnings():
     warnings.simplefilter('error')  # no 0 / 0 either
-    d = report.paired_bootstrap(a, b)['ar1']
+    d = paired.paired_bootstrap(a, b)['ar1']
   assert d['diff'] == pytest.approx(16 / 32 - 8 / 32)
   assert 0 < d['lo'] <= d['diff'] <= d['hi'] and d['verdict'] == 'higher'
-  none = report.paired_bootstrap(_counts([0, 0], [0, 0], [0, 0]), _counts([0, 0], [0, 0], [0, 0]))['ar1']
+  none = paired.paired_bootstrap(_counts([0, 0], [0, 0], [0, 0]), _counts([0, 0], [0, 0], [0, 0]))['ar1']
   assert np.isnan([none['diff'], none['lo'], none['hi']]).all() and none['verdict'] == 'inconclusive'
 
 
@@ -59,10 +64,10 @@ def test_the_interval_covers_the_true_difference_and_holds_zero_without_one():
   covered, zero_held = 0, 0
   for _ in range(20):
     a, b = _simulate(rng, 64, 0.40, 0.30, 0.15)
-    d = report.paired_bootstrap(a, b, samples=1000)['ar1']
+    d = paired.paired_bootstrap(a, b, samples=1000)['ar1']
     covered += d['lo'] <= 0.10 <= d['hi']
     a, b = _simulate(rng, 64, 0.35, 0.35, 0.15)
-    zero_held += report.paired_bootstrap(a, b, samples=1000)['ar1']['verdict'] == 'inconclusive'
+    zero_held += paired.paired_bootstrap(a, b, samples=1000)['ar1']['verdict'] == 'inconclusive'
   assert covered >= 17 and zero_held >= 17  # a 95% interval: about 19 of 20
 
 
@@ -77,10 +82,10 @@ def test_rows_pair_with_their_reference_and_old_results_without_counts_are_skipp
   rows = [('MTP', [_run(acc1=(1, 2))]), ('MTP-D', [_run(acc1=(5, 6))]), ('old', [_run(per_prompt=False)])]
   refs = experiment.references([{'label': 'MTP'}, {'label': 'MTP-D'}, {'label': 'old'}])
   assert refs == {'MTP-D': 'MTP', 'old': 'MTP'}
-  paired = report.paired_differences(rows, refs)
-  assert list(paired) == ['MTP-D'] and paired['MTP-D']['reference'] == 'MTP'
-  assert paired['MTP-D']['sets']['chat']['ar1']['diff'] == pytest.approx(0.4)
-  table = report.paired_table(paired)
+  diffs = paired.paired_differences(rows, refs)
+  assert list(diffs) == ['MTP-D'] and diffs['MTP-D']['reference'] == 'MTP'
+  assert diffs['MTP-D']['sets']['chat']['ar1']['diff'] == pytest.approx(0.4)
+  table = report.paired_table(diffs)
   assert '| MTP-D | MTP | chat | 2 × 1 | +40.00 [+40.00, +40.00] | +40.0 |' in table
   md = report.write(rows, [[], [], []], str(tmp_path), title='t', num_seeds=1, references=refs)
   assert '## Paired differences from a reference row' in md
@@ -94,24 +99,24 @@ def test_seeds_are_resampled_so_their_spread_widens_the_interval():
   b = _counts(steps, steps // 4, steps // 4)
   # Three seeds of 64 prompts: seeds 0 and 2 gain 20 points, seed 1 loses 10, each on every prompt.
   a_seeds = [_counts(steps, np.round(steps * r), np.round(steps * r)) for r in (0.45, 0.15, 0.45)]
-  pooled = report.paired_bootstrap(np.concatenate(a_seeds), np.concatenate([b] * 3))['ar1']
-  two_level = report.paired_bootstrap(np.stack(a_seeds), np.stack([b] * 3))
+  pooled = paired.paired_bootstrap(np.concatenate(a_seeds), np.concatenate([b] * 3))['ar1']
+  two_level = paired.paired_bootstrap(np.stack(a_seeds), np.stack([b] * 3))
   assert two_level['seeds'] == 3 and two_level['prompts'] == 64
   assert two_level['ar1']['diff'] == pytest.approx(pooled['diff'])
   np.testing.assert_allclose(two_level['ar1_per_seed'], [0.2, -0.1, 0.2], atol=0.01)
   assert pooled['verdict'] == 'higher'  # prompts alone: every prompt gains on average
   assert two_level['ar1']['lo'] < 0 < two_level['ar1']['hi'] and two_level['ar1']['verdict'] == 'inconclusive'
   # One seed: the two-level resample is the prompt bootstrap, to the last bit.
-  assert report.paired_bootstrap(a_seeds[0][None], b[None])['ar1'] == report.paired_bootstrap(a_seeds[0], b)['ar1']
+  assert paired.paired_bootstrap(a_seeds[0][None], b[None])['ar1'] == paired.paired_bootstrap(a_seeds[0], b)['ar1']
 
 
 def test_seed_interval_is_the_t_interval_of_the_mean_paired_difference():
-  d = report.seed_interval([0.01, 0.02, 0.03])
+  d = paired.seed_interval([0.01, 0.02, 0.03])
   half = 4.302653 * 0.01 / np.sqrt(3)  # t(0.975, 2 degrees of freedom) · sd / sqrt(n)
   assert d['diff'] == pytest.approx(0.02) and d['seeds'] == 3
   assert (d['lo'], d['hi']) == pytest.approx((0.02 - half, 0.02 + half)) and d['verdict'] == 'inconclusive'
-  assert report.seed_interval([0.05, 0.06, 0.07])['verdict'] == 'higher'
-  assert report.seed_interval([0.05]) is None and report.seed_interval([0.05, None]) is None
+  assert paired.seed_interval([0.05, 0.06, 0.07])['verdict'] == 'higher'
+  assert paired.seed_interval([0.05]) is None and paired.seed_interval([0.05, None]) is None
 
 
 def _seeded_run(ar, car, acc1):
@@ -124,10 +129,10 @@ def _seeded_run(ar, car, acc1):
 def test_all_pools_the_prompt_sets_and_bars_carry_the_seed_spread(tmp_path):
   rows = [('MTP', [_seeded_run([0.2, 0.1], [0.2, 0.02], (1, 2)) for _ in range(3)]),
           ('MTP-D', [_seeded_run([0.4 + 0.1 * s, 0.2], [0.4, 0.08], (5, 6)) for s in range(3)])]
-  paired = report.paired_differences(rows, {'MTP-D': 'MTP'})['MTP-D']['sets']
-  assert set(paired) == {'chat', 'code', 'all'}
-  assert paired['all']['prompts'] == 4 and paired['all']['seeds'] == 3
-  assert paired['all']['ar1']['diff'] == pytest.approx(0.4)
+  sets = paired.paired_differences(rows, {'MTP-D': 'MTP'})['MTP-D']['sets']
+  assert set(sets) == {'chat', 'code', 'all'}
+  assert sets['all']['prompts'] == 4 and sets['all']['seeds'] == 3
+  assert sets['all']['ar1']['diff'] == pytest.approx(0.4)
   mean, spread = report.head_bars(rows, 'ar')
   # AR of head 1 averaged over chat (x) and code (x / 2): 0.75·x, in %.
   np.testing.assert_allclose(mean, [[15.0, 7.5], [37.5, 15.0]])
@@ -135,7 +140,7 @@ def test_all_pools_the_prompt_sets_and_bars_carry_the_seed_spread(tmp_path):
   md = report.write(rows, [[], []], str(tmp_path), title='t', num_seeds=3, references={'MTP-D': 'MTP'})
   assert '3 seeds per row' in md and '37.50 ± 7.50' in md and '| MTP-D | MTP | all | 4 × 3 |' in md
   assert (tmp_path / 'acceptance.png').stat().st_size > 0
-  main = report.paired_differences(rows, {'MTP-D': 'MTP'})['MTP-D']['main']
+  main = paired.paired_differences(rows, {'MTP-D': 'MTP'})['MTP-D']['main']
   assert main['heldout_acc']['diff'] == 0.0 and main['heldout_acc']['seeds'] == 3
   assert '## The main head: paired differences over seeds' in md and '| MTP-D | MTP | 3 | +0.00 [+0.00, +0.00] inconclusive |' in md
   one = report.write([(label, runs[:1]) for label, runs in rows], [[], []], str(tmp_path), title='t', num_seeds=1)
@@ -149,3 +154,68 @@ def test_a_point_names_its_reference_and_an_unknown_one_is_refused():
   assert experiment.sweep_points(sweep)[2] == ('c', {})  # 'reference' is not a config override
   with pytest.raises(ValueError, match="names reference 'z'"):
     experiment.references([{'label': 'a'}, {'label': 'b', 'reference': 'z'}])
+
+
+def _seed_run(seed, acc1, heldout):
+  run = _run(acc1=acc1)
+  run['eval']['heldout']['accuracy'] = heldout
+  return {**run, 'seed': seed}
+
+
+def test_seeds_pair_by_id_and_a_seed_missing_on_one_side_is_left_out_with_a_warning(tmp_path):
+  # The reference's own counts vary by seed (seed s accepts s+1 of 10 steps per prompt); the row
+  # gains 1, 3 and 1 of 10 on seeds 0, 1, 2, and its held-out accuracy is 0.002 above each seed's.
+  ref = [_seed_run(s, (s + 1, s + 1), 0.5 + 0.01 * s) for s in range(3)]
+  row = [_seed_run(s, (s + 1 + g, s + 1 + g), 0.502 + 0.01 * s) for s, g in zip(range(3), (1, 3, 1))]
+  rows = [('ref', ref), ('row', row)]
+  full = paired.paired_differences(rows, {'row': 'ref'})['row']
+  np.testing.assert_allclose(full['sets']['chat']['ar1_per_seed'], [0.1, 0.3, 0.1])
+  assert full['unpaired'] == {} and full['main']['heldout_acc']['diff'] == pytest.approx(0.002)
+  # Seed 0 of the row is lost (a run skipped): seeds 1 and 2 still meet their own reference seeds,
+  # where pairing by position would read +0.4 and +0.2 against seeds 0 and 1.
+  lost = paired.paired_differences([('ref', ref), ('row', row[1:])], {'row': 'ref'})['row']
+  np.testing.assert_allclose(lost['sets']['chat']['ar1_per_seed'], [0.3, 0.1])
+  assert lost['sets']['chat']['seeds'] == 2 and lost['unpaired'] == {'reference': [0]}
+  assert lost['main']['heldout_acc']['diff'] == pytest.approx(0.002) and lost['main']['heldout_acc']['seeds'] == 2
+  md = report.write([('ref', ref), ('row', row[1:])], [[], []], str(tmp_path), title='t', num_seeds=3,
+                    references={'row': 'ref'})
+  assert 'Warning: seed 0 of "ref" has no counterpart in "row" and is left out of their paired differences.' in md
+  assert 'Warning' not in report.write(rows, [[], []], str(tmp_path), title='t', num_seeds=3,
+                                       references={'row': 'ref'})
+
+
+def test_the_report_is_its_data_file_regenerated_and_the_command_prints_it(tmp_path):
+  rows = [('MTP', [_seeded_run([0.2, 0.1], [0.2, 0.02], (1, 2)) for _ in range(2)]),
+          ('MTP-D', [_seeded_run([0.4, 0.2], [0.4, 0.08], (5, 6)) for _ in range(2)])]
+  rows = [(label, [{**r, 'seed': s} for s, r in enumerate(runs)]) for label, runs in rows]
+  run_dir = tmp_path / 'run'
+  run_dir.mkdir()
+  (run_dir / 'metrics.jsonl').write_text('\n'.join(json.dumps(r) for r in [
+      {'step': 5, 'train/xent': 3.0, 'train/mtp/k1/xent': 3.5},
+      {'step': 10, 'eval/mtp/k1/xent': 3.25, 'eval/mtp/k1/agree': 0.125, 'eval/xent': 2.0},
+      {'step': 20, 'eval/mtp/k1/xent': 3.0, 'eval/mtp/k1/agree': 0.25, 'eval/xent': 1.9},
+      {'step': 20, 'eval/mtp/k1/xent': 3.0, 'eval/mtp/k1/agree': 0.25, 'eval/xent': 1.9}]))  # a resumed run's repeat
+  out = tmp_path / 'report'
+  md = report.write(rows, [[str(run_dir)], []], str(out), title='t', num_seeds=2, references={'MTP-D': 'MTP'},
+                    tokens_per_step=1024)
+  data = json.loads((out / 'data.json').read_text())
+  assert report.markdown(data) == md
+  assert [r['seed'] for r in data['rows'][1]['runs']] == [0, 1] and 'final' not in data['rows'][1]['runs'][0]
+  assert '| 10 | 10,240 | 3.250 | 12.5 |' in md and '| 20 | 20,480 | 3.000 | 25.0 |' in md
+  assert md.count('| 20 | 20,480 |') == 1  # the repeated evaluation is one line
+  assert '| MTP-D | chat |' in md.split('## Decoding cost')[1]
+  result = subprocess.run([sys.executable, '-m', 'experiments.report', str(out / 'data.json'),
+                           f'--out_dir={tmp_path / "again"}'], capture_output=True, text=True, cwd=ROOT)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout == md + '\n' and (tmp_path / 'again' / 'results.md').read_text() == md
+
+
+@pytest.mark.parametrize('content, message', [
+    (None, 'does not exist'), ('{"rows": ', 'is not JSON'), ('{"rows": []}', 'is not a report data file')])
+def test_a_bad_data_file_is_one_line_and_exit_2(tmp_path, content, message):
+  path = tmp_path / 'data.json'
+  if content is not None:
+    path.write_text(content)
+  result = subprocess.run([sys.executable, '-m', 'experiments.report', str(path)], capture_output=True, text=True,
+                          cwd=ROOT)
+  assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1

@@ -313,9 +313,10 @@ def write_sweep_report(config: ml_collections.ConfigDict, points, workdir: str, 
       path = os.path.join(_point_dir(workdir, i, s, len(points), config.seeds), SUMMARY)
       if os.path.exists(path):
         with open(path) as f:
-          runs.append(json.load(f))
+          runs.append({**json.load(f), 'seed': s})  # its id, which pairs it with its reference's seed s
         dirs.append(runs[-1]['model_dir'])
     rows.append((label, runs))
     run_dirs.append(dirs)
   return report.write(rows, run_dirs, results_dir, title=os.path.basename(os.path.normpath(workdir)),
-                      num_seeds=config.seeds, references=refs or {})
+                      num_seeds=config.seeds, references=refs or {},
+                      tokens_per_step=config.data.batch_size * config.data.seq_len)
