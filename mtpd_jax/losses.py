@@ -350,6 +350,9 @@ def _threshold_divergences(logits_BxTxV, mtp_logits_KxBxTxV, heads, *, top_n, to
   With the main head as teacher, its selection (and, in `teacher` mode, its log-normaliser over
   the selection) is computed once per row; head k reads it k rows on.
   """
+  # With detach, what detaches the teacher is `_detached_divergence`'s custom VJP (a zero cotangent
+  # for every teacher input; the detach test holds it to that). The stop_gradients here and below
+  # only spare autodiff a backward path that would carry those zeros to the logits.
   main_t_BxTxV = (lax.stop_gradient(logits_BxTxV) if detach else logits_BxTxV).astype(jnp.float32) / tau
   if teacher == 'main':
     main_thr_BxT = top_n_threshold(main_t_BxTxV, top_n)
