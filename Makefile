@@ -13,7 +13,7 @@ $(BIN)/.installed: requirements.txt requirements-data.txt requirements-hf.txt
 	$(BIN)/pip install -q -r requirements-hf.txt
 	touch $@
 
-.PHONY: run test test-fast
+.PHONY: run test test-fast mutate
 run: $(BIN)/.installed
 	$(BIN)/python -m experiments.run --config=ablation_topn
 
@@ -26,3 +26,8 @@ test: $(BIN)/.installed
 
 test-fast: $(BIN)/.installed
 	$(PYTEST) -m "not slow" tests
+
+# The mutation check, not part of `make test`: plants each bug of tests/mutants.py in a copy of the
+# tree, one at a time, and runs the tests that must catch it (tests/mutate.py).
+mutate: $(BIN)/.installed
+	$(BIN)/python -m tests.mutate
