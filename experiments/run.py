@@ -136,7 +136,7 @@ def main(argv):
   from configs import base
   report = experiment.run_sweep(config, sweep, workdir, results_dir, indices=indices, defaults=base.get_config())
   print(report, flush=True)
-  print(f'wrote {results_dir}/results.md, results.json, acceptance.png, loss_curves.png', flush=True)
+  print(f'wrote {results_dir}/results.md, data.json, results.json, acceptance.png, loss_curves.png', flush=True)
 
 
 def run():

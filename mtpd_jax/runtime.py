@@ -151,6 +151,9 @@ def write_atomically(path: str, text: str) -> None:
   """`text` into `path` via a temporary file and a rename: readers see the old file or the new one."""
   os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix='.tmp-')
+  umask = os.umask(0)
+  os.umask(umask)
+  os.fchmod(fd, 0o666 & ~umask)  # as open() would create it (mkstemp's file is private)
   with os.fdopen(fd, 'w', encoding='utf-8') as f:
     f.write(text)
   os.replace(tmp, path)

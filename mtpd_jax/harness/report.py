@@ -210,7 +210,7 @@ def decoding_cost_table(rows) -> str:
     for name in sorted({n for ev in evs for n in ev['prompt_sets']}):
       sets = [ev['prompt_sets'][name] for ev in evs if name in ev['prompt_sets']]
       cell = lambda key, digits: _mean_pm([p.get(key) for p in sets], digits=digits)
-      lines.append(f"| {label} | {name} | {cell('plain_step_ms', 1)} | {cell('spec_step_ms', 1)} | "
+      lines.append(f"| {label} | {name} | {cell('plain_step_ms', 2)} | {cell('spec_step_ms', 2)} | "
                    f"{cell('verify_cost_ratio', 2)} | {cell('tokens_per_forward', 3)} | {cell('speedup_analytic', 3)} | "
                    f"{cell('speedup_measured', 3)} | {all(p.get('lossless', False) for p in sets)} |")
   return '\n'.join(lines)
