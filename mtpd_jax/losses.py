@@ -198,7 +198,7 @@ def _masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT=None, 
   return _log_probs(t_BxTxV, t_lse_BxT), _log_probs(s_BxTxV, s_lse_BxT), t_lse_BxT, s_lse_BxT
 
 
-def _terms(logq, logp, measure: str):
+def divergence_terms(logq, logp, measure: str):
   """Per-entry terms of the distillation divergence from log-probabilities, q the teacher's and p the
   student's: KL(q ‖ p) ('forward'), KL(p ‖ q) ('reverse'), total variation ½|q - p| ('tv') or
   Jensen-Shannon ½ q log(q/m) + ½ p log(p/m) with m = (q + p)/2 ('js'). Entries where q or p is 0
@@ -222,7 +222,7 @@ def _masked_divergence(t_BxTxV, s_BxTxV, sel_BxTxV, *, measure, renormalize, t_l
   summed over the selection. `t_lse_BxT`: the teacher's log-normaliser, if precomputed.
   """
   logq, logp, _, _ = _masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT)
-  terms = _terms(logq, logp, measure)
+  terms = divergence_terms(logq, logp, measure)
   return jnp.sum(terms if renormalize else terms * sel_BxTxV, axis=-1)
 
 
@@ -262,7 +262,7 @@ def detached_divergence_fwd(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shi
     # Σ_S q (forward) or Σ_S p (reverse): 1 when renormalised
     mass_R = jnp.ones_like(div_R) if renormalize else jnp.sum(w_RxV, axis=-1)
   else:
-    terms_RxV = _terms(logq, logp, measure)
+    terms_RxV = divergence_terms(logq, logp, measure)
     div_R = jnp.sum(terms_RxV if renormalize else terms_RxV * sel_RxV, axis=-1)
     mass_R = jnp.ones_like(div_R)  # unused
   div_BxT = div_R.reshape(s_BxTxV.shape[:-1])
@@ -327,7 +327,7 @@ def distill_divergence(teacher_BxTxV, student_BxTxV, idx_BxTxN=None, valid_BxTxN
     else:
       logq = jnp.take_along_axis(jax.nn.log_softmax(t_BxTxV, -1), idx_BxTxN, axis=-1)
       logp = jnp.take_along_axis(jax.nn.log_softmax(s_BxTxV, -1), idx_BxTxN, axis=-1)
-  terms = _terms(logq, logp, measure)
+  terms = divergence_terms(logq, logp, measure)
   return jnp.sum(jnp.where(valid, terms, 0.0), axis=-1)
 
 
