@@ -46,6 +46,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.mtp.num_heads = 1             # K, DeepSeek-V3-style sequential MTP heads; 0 = plain LM
   c.mtp.ce_weight = 0.3           # λ; each head's CE weight is α_k = λ/K  (docs/design.md, "Choices where the paper is silent")
   c.mtp.isolate_trunk = False     # stop the MTP losses' gradient into the trunk's hidden state
+  # U > 0: the heads' output layer is the U most frequent training tokens (the only ids a draft can
+  # be); their CE (targets outside U masked) and KL are taken over U, the ids are saved with every
+  # checkpoint and decoding drafts among them (mtpd_jax/head_vocab.py). 0 = all of V
+  c.mtp.head_vocab = 0
 
   c.distill = ml_collections.ConfigDict()  # self-distillation of the heads from the main head (docs/design.md)
   c.distill.enabled = True        # False = the plain "MTP" baseline (CE only)
@@ -83,6 +87,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.seed = 0                 # data order; the same for every variant of a sweep
   c.data.shuffle = True           # shuffle the training records (held-out records never are)
   c.data.synthetic_records = 65_536  # records of the 'synthetic' source
+  # 'embedded' only: train on the model's own answers (train.init_from's main head, decoded here) to
+  # the user turns of the training conversations instead of the corpus's, built once and cached
+  # (mtpd_jax/harness/regenerate.py); held-out text and prompt sets stay the corpus's
+  c.data.regenerate = False
+  c.data.regenerate_temperature = 0.0  # 0 = greedy answers, else sampled at this temperature
+  c.data.regenerate_new_tokens = 192   # longest answer, in tokens
+  c.data.regenerate_prompt_tokens = 192  # longest user turn, in tokens (longer ones cut from the left)
+  c.data.regenerate_batch_size = 32    # user turns decoded together
+  c.data.regenerate_prompts = 0        # answer the first this many user turns (0 = every one)
 
   c.train = ml_collections.ConfigDict()  # optimisation, logging and the training loop (mtpd_jax/train.py)
   c.train.steps = 2000            # optimizer steps of this run
@@ -113,6 +126,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.trunk_cache = False
   c.train.trunk_cache_dir = ''    # '' = <data cache dir>/trunk-<hash of its inputs>
   c.train.trunk_cache_dtype = 'float32'  # 'float32' (results as without the cache) | 'bfloat16' (half the disk)
+  # With train.trunk_cache and mtp.head_vocab: the frozen main head's Top-N over the head vocabulary
+  # (and its argmax and target log-probability) cached once per training position beside the trunk
+  # states, so a step never forms the main head's logits (mtpd_jax/harness/teacher_cache.py)
+  c.train.teacher_cache = False
   c.train.log_every = 10          # steps between metrics.jsonl lines (and progress-bar updates)
   c.train.eval_every = 0          # 0 = evaluate only at the end
   c.train.eval_batches = 4        # held-out batches per evaluation of the losses

@@ -85,7 +85,7 @@ class Checkpointer:
   def _open(self) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=True,
                                            enable_async_checkpointing=False)
-    return ocp.CheckpointManager(self.directory, options=options, item_names=('state', 'data'))
+    return ocp.CheckpointManager(self.directory, options=options, item_names=('state', 'data', 'meta'))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -105,12 +105,15 @@ class Checkpointer:
       raise OSError(errno.ENOSPC, f'{self.directory} has {free / 2**20:.1f} MiB free, but the checkpoints of '
                                   f'this run need about {need / 2**20:.1f} MiB; free space or use another --workdir')
 
-  def save(self, step: int, state, iterator=None) -> None:
+  def save(self, step: int, state, iterator=None, meta: dict | None = None) -> None:
     """Save and wait until the checkpoint is final; a full disk raises OSError(ENOSPC), and the
-    newest earlier checkpoint stays intact (orbax renames a step into place only when complete)."""
+    newest earlier checkpoint stays intact (orbax renames a step into place only when complete).
+    `meta`: a small JSON dict that belongs to the state (a head vocabulary's ids), saved with it."""
     items = {'state': ocp.args.StandardSave(state)}
     if iterator is not None:
       items['data'] = grain.checkpoint.CheckpointSave(iterator)
+    if meta is not None:
+      items['meta'] = ocp.args.JsonSave(meta)
     try:
       self.manager.save(step, args=ocp.args.Composite(**items), force=True)
       self.manager.wait_until_finished()
@@ -128,6 +131,12 @@ class Checkpointer:
     if iterator is not None:
       items['data'] = grain.checkpoint.CheckpointRestore(iterator)
     return self.manager.restore(step, args=ocp.args.Composite(**items))['state']
+
+  def restore_meta(self, step: int) -> dict | None:
+    """The `meta` saved with checkpoint `step` (None: it was saved without one)."""
+    if not os.path.isdir(os.path.join(self.directory, str(step), 'meta')):
+      return None
+    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
 
   def restore_data(self, step: int, iterator) -> None:
     """Rewind `iterator` in place to checkpoint `step`'s data position (without its state)."""

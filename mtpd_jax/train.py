@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mtpd_jax import checkpoint, fused_loss, losses, moe, runtime, sharding, workdir_lock
+from mtpd_jax import checkpoint, fused_loss, head_vocab, losses, moe, runtime, sharding, workdir_lock
 from mtpd_jax.model import ModelConfig, MTPTransformer
 
 
@@ -105,13 +105,17 @@ class StepConfig:
   loss_chunk_rows > 0 computes the loss from hidden states in row chunks (fused_loss), which
   must implement `loss` (`fused_loss.supports`); 0 computes it on full logits (losses.mtp_d_loss).
   kl_warmup_steps ramps every β_k linearly from 0; skip_nonfinite keeps the old parameters and
-  moments where a step's loss or gradient is not finite.
+  moments where a step's loss or gradient is not finite. head_vocab: token ids that the heads'
+  output layer is restricted to (head_vocab.py; () = all of V); their loss reads the heads'
+  logits over those ids and the main head's whole, or a batch's cached teacher (`teacher_*`
+  keys), so loss_chunk_rows does not apply to it.
   """
   loss: losses.LossConfig = losses.LossConfig()
   isolate_trunk: bool = False
   kl_warmup_steps: int = 0
   loss_chunk_rows: int = 0
   skip_nonfinite: bool = False
+  head_vocab: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.loss_chunk_rows and not fused_loss.supports(self.loss):
@@ -144,7 +148,9 @@ def forward_loss(params, graphdef, batch, cfg: StepConfig, *, beta_scale, move_r
               trunk_hidden_BxTxD=batch.get('trunk_hidden'),  # a frozen trunk's cached states
               move_router_biases=move_router_biases)
   labels = (batch['targets'], batch['segment_ids'], batch['target_segment_ids'])
-  if cfg.loss_chunk_rows:
+  if cfg.head_vocab:
+    loss, metrics = _head_vocab_loss(model, out, batch, labels, cfg, beta_scale)
+  elif cfg.loss_chunk_rows:
     # The loss reads the final-normed hidden states and the unembedding in row chunks; the model's
     # logits go unused and XLA drops them, so no [K+1, B, T, V] array is materialised.
     w_DxV = model.embed[...].T if model.cfg.tie_embeddings else model.unembed[...]
@@ -157,6 +163,23 @@ def forward_loss(params, graphdef, batch, cfg: StepConfig, *, beta_scale, move_r
   # MoE: + the router's balancing loss and moe/* load metrics.
   loss, metrics = moe.add_router_terms(loss, metrics, out.aux)
   return loss, (metrics, nnx.state(model, moe.RouterBias))
+
+
+def _head_vocab_loss(model: MTPTransformer, out, batch, labels, cfg: StepConfig, beta_scale):
+  """The main head's cross-entropy plus the heads' loss over the head vocabulary (head_vocab.py)."""
+  ids_U = jnp.asarray(cfg.head_vocab, jnp.int32)
+  mask_BxT = losses.target_mask(labels[1], labels[2], 0)
+  if 'teacher_idx' in batch:  # a frozen trunk's cached teacher: the main logits are never formed
+    teacher = head_vocab.Teacher.from_batch(batch)
+    main_xent = -losses.masked_mean(teacher.target_logp_BxT, mask_BxT)
+  else:
+    teacher = head_vocab.teacher(out.logits_BxTxV, labels[0], ids_U, n=cfg.loss.top_n, tau=cfg.loss.tau)
+    main_xent = losses.masked_mean(losses.xent(out.logits_BxTxV, labels[0]), mask_BxT)
+  w_DxV = model.embed[...].T if model.cfg.tie_embeddings else model.unembed[...]
+  x_KxBxTxD = model.final_norm(out.hidden_K1xBxTxD[1:])
+  loss, metrics = head_vocab.mtp_loss(x_KxBxTxD, jnp.take(w_DxV, ids_U, axis=1), teacher, *labels, ids_U,
+                                      model.cfg.vocab_size, cfg.loss, beta_scale=beta_scale)
+  return main_xent + loss, {'xent': main_xent, **metrics, 'loss': main_xent + loss}
 
 
 def train_step(state: TrainState, batch, *, cfg: StepConfig, labels, schedule: optax.Schedule):
@@ -224,7 +247,8 @@ class TrainSpec:
   (None: a fresh initialisation from `seed`). `prepare(state)`: runs once the state is known,
   before the first step (the trunk-state cache builds there). `check_workdir(workdir)`: refuses
   checkpoints this run must not touch. `config_json`: the workdir's config.json, the record of
-  what the run is.
+  what the run is. `checkpoint_meta`: a JSON dict saved with every checkpoint (a head vocabulary's
+  ids); a resume whose checkpoint holds another one is refused.
   """
   model: ModelConfig
   seed: int
@@ -239,6 +263,7 @@ class TrainSpec:
   check_workdir: Callable[[str], None] = lambda workdir: None
   warm_start: Callable[[TrainState, TrainState], TrainState] | None = None
   prepare: Callable[[TrainState], None] | None = None
+  checkpoint_meta: dict | None = None
 
   def abstract_state(self) -> tuple[TrainState, TrainState]:
     return abstract_train_state(self.model, self.optimizer, self.trainable, self.mesh)
@@ -257,12 +282,24 @@ def evaluate_loss(state: TrainState, eval_fn, batches: Iterator[dict], num_batch
   return {f'eval/{k}': v / num_batches for k, v in sums.items()}
 
 
+def check_meta(saved: dict | None, expected: dict | None, where: str) -> None:
+  """Refuse a checkpoint whose meta (`TrainSpec.checkpoint_meta`) differs from this run's, naming the keys."""
+  saved, expected = saved or {}, expected or {}
+  diffs = sorted(k for k in set(saved) | set(expected) if saved.get(k) != expected.get(k))
+  if diffs:
+    describe = lambda m, k: m[k].get('describe', 'other values') if isinstance(m.get(k), dict) else repr(m.get(k))
+    raise ValueError(f'{where} was saved with another {", ".join(diffs)} ('
+                     + '; '.join(f'{k}: {describe(saved, k)} there, {describe(expected, k)} here' for k in diffs)
+                     + '); a model must keep its own: use its data and settings, or another --workdir')
+
+
 def _resume_or_init(spec: TrainSpec, workdir, ckpt, abstract, shardings, train_it):
   """(state, step): the newest readable checkpoint of `workdir`, else a fresh (or warm) start."""
   spec.check_workdir(workdir)
   if ckpt.all_steps():
     step, state = ckpt.restore_latest_good(abstract, train_it)
     if step is not None:
+      check_meta(ckpt.restore_meta(step), spec.checkpoint_meta, f'checkpoint {step} in {workdir}')
       return state, step
   if spec.warm_start:
     return spec.warm_start(abstract, shardings), 0
@@ -334,7 +371,7 @@ def fit(spec: TrainSpec, workdir: str, *, progress: bool = True):
       if (ckpt.should_save(step) or stop) and step != loop.steps:
         flush(*pending)  # never checkpoint a state that a non-finite step produced
         pending = None
-        ckpt.save(step, state, train_it)
+        ckpt.save(step, state, train_it, spec.checkpoint_meta)
         if stop:
           bar.close()
           ckpt.close()
@@ -346,7 +383,7 @@ def fit(spec: TrainSpec, workdir: str, *, progress: bool = True):
       flush(*pending)
     bar.close()
     if ckpt.latest_step() != loop.steps:
-      ckpt.save(loop.steps, state, train_it)
+      ckpt.save(loop.steps, state, train_it, spec.checkpoint_meta)
     ckpt.close()
     final = held_out(state)
     log.write({'step': loop.steps, **final})

@@ -177,6 +177,9 @@ def _evaluate_workdir(workdir, draft_depth, *, write, defaults, config, out_dir)
   if depth:
     e = config.eval
     sets = recipe.prompt_sets(config)
+    # Heads trained over a head vocabulary draft among its ids, as saved with their checkpoint.
+    vocab = training.head_vocab_of(workdir, saved)
+    vocab = vocab if vocab is not None else draft_vocab(config) if e.get('draft_vocab', 0) else None
     # The embedded tokenizer's stop tokens: EOS, and for an instruct model also its end of turn.
     stop = (recipe.embedded_data(config).tokenizer().stop_ids if config.data.source == 'embedded'
             else (config.data.eos_id,))
@@ -184,7 +187,7 @@ def _evaluate_workdir(workdir, draft_depth, *, write, defaults, config, out_dir)
                                             batch_size=e.batch_size, stop_tokens=stop,
                                             repeats=e.repeats, timing_steps=e.timing_steps,
                                             timing_repeats=e.timing_repeats,
-                                            draft_vocab=draft_vocab(config) if e.get('draft_vocab', 0) else None,
+                                            draft_vocab=vocab,
                                             draft_min_prob=e.get('draft_min_prob', 0.0), tree=tuple(e.get('tree', ())))
     print(evaluate.markdown_table(results), flush=True)
   if write:

@@ -3,13 +3,15 @@ data sources and iterators, prompt sets. Reading a ConfigDict stops here: the co
 these functions return (docs/design.md, "Two layers").
 """
 
+import hashlib
+
 import jax
 import ml_collections
 import numpy as np
 import optax
 
 from mtpd_jax import data, losses, train
-from mtpd_jax.harness import corpus, prompts, trunk_cache
+from mtpd_jax.harness import corpus, evaluate, prompts, regenerate, teacher_cache, trunk_cache
 from mtpd_jax.model import ModelConfig
 from mtpd_jax.moe import MoEConfig
 
@@ -47,11 +49,38 @@ def loss_config(config: ml_collections.ConfigDict) -> losses.LossConfig:
                            divergence=d.divergence)
 
 
-def step_config(config: ml_collections.ConfigDict) -> train.StepConfig:
+def step_config(config: ml_collections.ConfigDict, head_vocab_ids=None) -> train.StepConfig:
+  """The step settings; `head_vocab_ids` (`head_vocab_ids(config)`) when mtp.head_vocab > 0."""
+  if config.mtp.head_vocab and head_vocab_ids is None:
+    head_vocab_ids = range(config.mtp.head_vocab)  # a stand-in of the right size, for checking settings
   return train.StepConfig(loss=loss_config(config), isolate_trunk=config.mtp.isolate_trunk,
                           kl_warmup_steps=config.distill.warmup_steps,
                           loss_chunk_rows=config.train.loss_chunk_rows,
-                          skip_nonfinite=config.train.on_nan == 'skip')
+                          skip_nonfinite=config.train.on_nan == 'skip',
+                          head_vocab=tuple(int(i) for i in head_vocab_ids) if config.mtp.head_vocab else ())
+
+
+def frequent_training_tokens(config: ml_collections.ConfigDict, size: int) -> np.ndarray:
+  """The `size` most frequent ids of the training records, ascending (`evaluate.frequent_tokens`):
+  counted over the whole training split of a token file, or over the first 4,096 synthetic records."""
+  source = make_source(config, 'train')
+  if isinstance(source, data.PackedTokens):
+    tokens = source.tokens[source.start * source.seq_len:source.stop * source.seq_len + 1]
+  else:
+    tokens = np.concatenate([source[i]['inputs'] for i in range(min(len(source), 4096))])
+  return evaluate.frequent_tokens(tokens, size)
+
+
+def head_vocab_ids(config: ml_collections.ConfigDict) -> np.ndarray | None:
+  """mtp.head_vocab's ids: the U most frequent training tokens (None when it is 0)."""
+  return frequent_training_tokens(config, config.mtp.head_vocab) if config.mtp.head_vocab else None
+
+
+def head_vocab_meta(ids) -> dict:
+  """What a checkpoint keeps of a head vocabulary (`train.TrainSpec.checkpoint_meta`)."""
+  ids = [int(i) for i in ids]
+  digest = hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()
+  return {'head_vocab': {'ids': ids, 'sha256': digest, 'describe': f'{len(ids)} ids, sha256 {digest[:12]}'}}
 
 
 def loop_config(config: ml_collections.ConfigDict) -> train.LoopConfig:
@@ -100,16 +129,24 @@ def make_source(config: ml_collections.ConfigDict, split: str):
     raise ValueError(f"unknown data.source {d.source!r}; expected 'synthetic', 'tokens' or 'embedded'")
   path, eos_id = (d.train_path, d.eos_id) if d.source == 'tokens' else (
       lambda e: (e.train_tokens_path, e.eos_id))(embedded_data(config))
+  if d.source == 'embedded' and d.regenerate and split == 'train':  # the model's own answers, all of them
+    return data.PackedTokens(regenerate.tokens_path(config), d.seq_len, eos_id, config.model.vocab_size)
   cut = 1.0 - d.eval_fraction
   return data.PackedTokens(path, d.seq_len, eos_id, config.model.vocab_size,
                            split=(0.0, cut) if split == 'train' else (cut, 1.0))
 
 
-def make_trunk_cache(config: ml_collections.ConfigDict) -> trunk_cache.TrunkCache | None:
-  """The run's trunk-state cache (`train.trunk_cache`), unbuilt, or None."""
+def make_trunk_cache(config: ml_collections.ConfigDict, ids=None) -> trunk_cache.TrunkCache | None:
+  """The run's trunk-state cache (`train.trunk_cache`), unbuilt, or None; with `train.teacher_cache`
+  it builds and serves the main head's teacher over the head vocabulary's `ids` too (default:
+  `head_vocab_ids(config)`)."""
   if not config.train.trunk_cache:
     return None
-  return trunk_cache.TrunkCache(config, config.data.cache_dir or corpus.default_cache_dir())
+  cache = trunk_cache.TrunkCache(config, config.data.cache_dir or corpus.default_cache_dir())
+  if config.train.teacher_cache:
+    ids = head_vocab_ids(config) if ids is None else ids
+    cache.teacher = teacher_cache.TeacherCache(cache, ids, top_n=config.distill.top_n, tau=config.distill.tau)
+  return cache
 
 
 def make_data_iterator(config: ml_collections.ConfigDict, split: str,

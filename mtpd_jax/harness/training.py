@@ -3,15 +3,17 @@ and the workdir: what may resume in it, its saved config, and its trained model.
 """
 
 import functools
+import hashlib
 import json
 import os
 
 import jax
 import ml_collections
+import numpy as np
 from flax import nnx
 
-from mtpd_jax import checkpoint, sharding, train
-from mtpd_jax.harness import gguf_llama, recipe, trunk_cache, validation
+from mtpd_jax import checkpoint, head_vocab, sharding, train
+from mtpd_jax.harness import gguf_llama, recipe, regenerate, trunk_cache, validation
 from mtpd_jax.model import MTPTransformer
 
 # Config fields that change the shape of the saved state: a workdir's checkpoints are only
@@ -49,7 +51,10 @@ def train_spec(config: ml_collections.ConfigDict, *, progress: bool = True) -> t
   """The core's whole view of a run, read from `config` (validated first) once."""
   validation.validate_config(config)
   mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
-  cache = recipe.make_trunk_cache(config)
+  if config.data.regenerate:  # the training text: the init_from model's own answers, decoded once
+    regenerate.build(config, functools.partial(answering_model, config), progress=progress)
+  ids = recipe.head_vocab_ids(config)
+  cache = recipe.make_trunk_cache(config, ids)
   prepare = None
   if cache:  # the frozen trunk's states, built once for every run on this trunk and data
     sources = lambda: {s: recipe.make_source(config, s) for s in trunk_cache.SPLITS}
@@ -57,11 +62,11 @@ def train_spec(config: ml_collections.ConfigDict, *, progress: bool = True) -> t
   return train.TrainSpec(
       model=recipe.model_config(config), seed=config.seed, trainable=config.train.trainable,
       optimizer=functools.partial(recipe.make_optimizer, config), schedule=recipe.learning_rate(config),
-      step=recipe.step_config(config), loop=recipe.loop_config(config), mesh=mesh,
+      step=recipe.step_config(config, ids), loop=recipe.loop_config(config), mesh=mesh,
       batches=lambda split: recipe.make_data_iterator(config, split, cache),
       config_json=config.to_json(indent=2), check_workdir=functools.partial(check_workdir, config),
       warm_start=functools.partial(warm_start, config, mesh=mesh) if config.train.init_from else None,
-      prepare=prepare)
+      prepare=prepare, checkpoint_meta=None if ids is None else recipe.head_vocab_meta(ids))
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True):
@@ -74,6 +79,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
 
 # ---------------------------------------------------------------------------------------------
 # Warm starts
+
+
+def answering_model(config: ml_collections.ConfigDict) -> MTPTransformer:
+  """train.init_from's model without heads: the main head that regenerated text answers with."""
+  if gguf_llama.is_gguf(config.train.init_from):
+    return gguf_llama.load_model(config.train.init_from, num_mtp_heads=0)
+  return restore_model(config.train.init_from)[0]
 
 
 def transplant(params: nnx.State, source: nnx.State, *, loop_heads: bool) -> nnx.State:
@@ -114,6 +126,9 @@ def warm_start(config: ml_collections.ConfigDict, abstract: train.TrainState, sh
                                     trunk_heads=config.train.init_heads == 'trunk')
   else:
     source, _ = restore_model(config.train.init_from, mesh)
+    if config.mtp.head_vocab:  # heads trained over another head vocabulary would draft the wrong ids
+      train.check_meta(checkpoint_meta(config.train.init_from), recipe.head_vocab_meta(recipe.head_vocab_ids(config)),
+                       f'train.init_from={config.train.init_from}')
     params = transplant(abstract.params, nnx.state(source, nnx.Param),
                         loop_heads=config.train.init_heads == 'loop')
     missing = lambda x: isinstance(x, jax.ShapeDtypeStruct)
@@ -225,6 +240,33 @@ def saved_config(workdir: str, defaults: ml_collections.ConfigDict | None = None
   if defaults is not None:
     saved = with_defaults(saved, json.loads(defaults.to_json()))
   return ml_collections.ConfigDict(saved)
+
+
+def checkpoint_meta(workdir: str) -> dict | None:
+  """The meta saved with a workdir's latest checkpoint (`train.TrainSpec.checkpoint_meta`)."""
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=0, max_to_keep=1)
+  try:
+    step = ckpt.latest_step()
+    return None if step is None else ckpt.restore_meta(step)
+  finally:
+    ckpt.close()
+
+
+def head_vocab_of(workdir: str, config: ml_collections.ConfigDict) -> np.ndarray | None:
+  """The head vocabulary a workdir's heads were trained over, as saved with its checkpoint (None:
+  all of V). A config that names one whose checkpoint lacks it, or holds another size, is refused."""
+  saved = (checkpoint_meta(workdir) or {}).get('head_vocab')
+  size = config.mtp.head_vocab
+  if size and saved is None:
+    raise ValueError(f'{workdir}: its config says mtp.head_vocab={size}, but its checkpoint holds no head '
+                     'vocabulary, so nothing says which ids its heads draft; retrain it')
+  if saved is None:
+    return None
+  ids = head_vocab.check_ids(saved['ids'], config.model.vocab_size)
+  if len(ids) != size or hashlib.sha256(ids.astype(np.int64).tobytes()).hexdigest() != saved['sha256']:
+    raise ValueError(f'{workdir}: its checkpoint\'s head vocabulary ({len(ids)} ids) does not match its '
+                     f'config (mtp.head_vocab={size}) or its own checksum; the checkpoint is damaged')
+  return ids
 
 
 def restore_model(workdir: str, mesh=None, defaults: ml_collections.ConfigDict | None = None

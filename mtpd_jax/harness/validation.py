@@ -175,6 +175,7 @@ FIELD_RULES: dict[str, Rule] = {
     'mtp.num_heads': integer(0),
     'mtp.ce_weight': real(0),
     'mtp.isolate_trunk': flag(),
+    'mtp.head_vocab': integer(0, 'model.vocab_size'),
     'distill.enabled': flag(),
     'distill.detach': flag(),
     'distill.top_n': optional(integer(1, 'model.vocab_size')),
@@ -202,6 +203,12 @@ FIELD_RULES: dict[str, Rule] = {
     'data.seed': integer(0),
     'data.shuffle': flag(),
     'data.synthetic_records': integer(1),
+    'data.regenerate': flag(),
+    'data.regenerate_temperature': real(0),
+    'data.regenerate_new_tokens': integer(1),
+    'data.regenerate_prompt_tokens': integer(1),
+    'data.regenerate_batch_size': integer(1),
+    'data.regenerate_prompts': integer(0),
     'train.steps': integer(1),
     'train.lr': real(0, lo_open=True),
     'train.b1': real(0, 1, hi_open=True),
@@ -220,6 +227,7 @@ FIELD_RULES: dict[str, Rule] = {
     'train.trunk_cache': flag(),
     'train.trunk_cache_dir': text(),
     'train.trunk_cache_dtype': one_of(*trunk_cache.DTYPES),
+    'train.teacher_cache': flag(),
     'train.log_every': integer(1),
     'train.eval_every': integer(0),
     'train.eval_batches': integer(1),
@@ -302,6 +310,19 @@ def _check_cross_fields(config: ml_collections.ConfigDict) -> None:
   if config.train.trunk_cache and m.moe.num_experts:
     raise ValueError('train.trunk_cache=True is not supported for MoE models yet (the trunk routers\' '
                      'balancing terms would be missing from the loss); set it to False')
+  if config.train.teacher_cache and not (config.train.trunk_cache and config.mtp.head_vocab):
+    raise ValueError('train.teacher_cache=True caches the frozen main head over the head vocabulary: it needs '
+                     'train.trunk_cache=True and mtp.head_vocab > 0')
+  if config.mtp.head_vocab and config.distill.enabled and (
+      config.distill.teacher != 'main' or config.distill.top_n_mode != 'teacher' or not config.distill.detach):
+    raise ValueError("mtp.head_vocab > 0 distils from the detached main head's own Top-N: it needs "
+                     "distill.teacher='main', distill.top_n_mode='teacher' and distill.detach=True")
+  if config.mtp.head_vocab and e.draft_vocab and e.draft_vocab != config.mtp.head_vocab:
+    raise ValueError(f'eval.draft_vocab={e.draft_vocab}: heads trained over mtp.head_vocab={config.mtp.head_vocab} '
+                     'ids draft among those; leave eval.draft_vocab=0 (or set it equal)')
+  if d.regenerate and (d.source != 'embedded' or not config.train.init_from):
+    raise ValueError("data.regenerate=True decodes the model's own answers: it needs data.source='embedded' "
+                     'and a train.init_from (the model that answers)')
   heads = tuple(config.looped.schedule)[-1] if config.looped.schedule else k
   if e.enabled and e.draft_depth and not heads:
     raise ValueError(f'eval.draft_depth={e.draft_depth} drafts with MTP heads, but mtp.num_heads=0')
