@@ -245,6 +245,13 @@ def _drop_contaminated(docs: list[list[tuple]]) -> tuple[list[list[tuple]], int]
   return [d for j, d in enumerate(docs) if j not in bad], len(bad)
 
 
+def training_user_turns(max_chars: int, code_fraction: float) -> list[str]:
+  """The user turns of the embedded corpus's training conversations (those `prepare_embedded`
+  builds from the same settings, contaminated ones dropped), in file order."""
+  docs, _ = _drop_contaminated(_chat_documents(max_chars - int(max_chars * code_fraction)))
+  return [text for doc in docs for role, text in doc if role == 'user' and text.strip()]
+
+
 def prepare_embedded(cache_dir: str | None = None, *, vocab_size: int = 8192,
                      max_chars: int = 12_000_000, code_fraction: float = 0.25, seed: int = 0,
                      tokenizer: str = 'bpe', verbose: bool = False) -> EmbeddedData:
