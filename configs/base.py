@@ -167,6 +167,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval.repeats = 3              # timed runs of each batch per decoding (best of); a shape new to the model compiles first
   c.eval.timing_steps = 256       # decoding steps timed per setting for the analytic speedup
   c.eval.timing_repeats = 5       # timed passes of those steps (best of)
+  # > 0: also time plain and speculative decoding one prompt at a time (batch 1, the latency case)
+  # on the first this many prompts of each set, beside eval.batch_size (`speedup at batch 1`)
+  c.eval.latency_prompts = 0
 
   c.ckpt = ml_collections.ConfigDict()  # orbax checkpoints of state + data iterator (mtpd_jax/checkpoint.py)
   c.ckpt.every_steps = 500        # steps between checkpoints (the last step and a preemption always save)

@@ -313,6 +313,7 @@ def fit(spec: TrainSpec, workdir: str, *, progress: bool = True):
   runtime.Preempted; a non-finite step raises FloatingPointError (or is logged and skipped).
   """
   loop, mesh = spec.loop, spec.mesh
+  started = time.perf_counter()  # every metrics line carries the seconds since: curves against wall time
   checkpoint.check_options(loop.ckpt_every, loop.max_to_keep)
   with workdir_lock.hold(workdir), jax.set_mesh(mesh), runtime.PreemptionGuard() as guard:
     abstract, shardings = spec.abstract_state()
@@ -329,6 +330,8 @@ def fit(spec: TrainSpec, workdir: str, *, progress: bool = True):
       if start:
         ckpt.restore_data(start, train_it)
     log = runtime.MetricsLog(os.path.join(workdir, 'metrics.jsonl'), start)  # may refuse: before config.json
+    write = lambda step, record: log.write({'step': step, 'elapsed_s': round(time.perf_counter() - started, 2),
+                                            **record})
     if jax.process_index() == 0:
       runtime.write_atomically(os.path.join(workdir, 'config.json'), spec.config_json)
     held_out = lambda s: evaluate_loss(s, eval_fn, spec.batches('eval'), loop.eval_batches, mesh)
@@ -343,12 +346,12 @@ def fit(spec: TrainSpec, workdir: str, *, progress: bool = True):
           good = [s for s in ckpt.all_steps() if s < step]
           raise FloatingPointError(f'non-finite loss or gradient at step {step}; last good checkpoint: '
                                    f'{good[-1] if good else None} (train.on_nan=skip drops such steps)')
-        log.write({'step': step, 'train/skipped_nonfinite': 1})
+        write(step, {'train/skipped_nonfinite': 1})
       if step % loop.log_every == 0 or step == loop.steps:
         now = time.perf_counter()
         m['tokens_per_s'] = loop.tokens_per_step * (step - last_log[0]) / max(now - last_log[1], 1e-9)
         last_log = (step, now)
-        log.write({'step': step, **{f'train/{k}': v for k, v in m.items()}})
+        write(step, {f'train/{k}': v for k, v in m.items()})
         bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
       bar.update(1)
 
@@ -378,7 +381,7 @@ def fit(spec: TrainSpec, workdir: str, *, progress: bool = True):
           runtime.leave_together()
           raise runtime.Preempted(step, guard.signum)
       if loop.eval_every and step % loop.eval_every == 0:
-        log.write({'step': step, **held_out(state)})
+        write(step, held_out(state))
     if pending is not None:
       flush(*pending)
     bar.close()
@@ -386,5 +389,5 @@ def fit(spec: TrainSpec, workdir: str, *, progress: bool = True):
       ckpt.save(loop.steps, state, train_it, spec.checkpoint_meta)
     ckpt.close()
     final = held_out(state)
-    log.write({'step': loop.steps, **final})
+    write(loop.steps, final)
     return state, final

@@ -28,8 +28,10 @@ def test_evaluate_prompt_set_and_write_report(tmp_path):
   rng = np.random.default_rng(0)
   prompts = [rng.integers(1, 32, n) for n in (5, 11, 3)]  # two batches of 2, the last one padded
   r = evaluate.evaluate_prompt_set(model, prompts, draft_depth=3, max_new_tokens=8, batch_size=2,
-                                   pad_multiple=16, repeats=1, timing_steps=4)
+                                   pad_multiple=16, repeats=1, timing_steps=4, latency_prompts=2)
   assert r['lossless'] and r['new_tokens'] == 3 * 8 and r['prompts'] == 3
+  assert r['latency_prompts'] == 2 and r['speedup_batch1'] == pytest.approx(
+      r['spec_tokens_per_s_batch1'] / r['plain_tokens_per_s_batch1']) and r['speedup_batch1'] > 0
   assert len(r['ar']) == len(r['car']) == len(r['tf_ar']) == 3
   ar = np.nan_to_num(r['ar'])  # a depth no step reached has AR nan and CAR 0
   np.testing.assert_allclose(r['car'], np.cumprod(ar), atol=1e-12)

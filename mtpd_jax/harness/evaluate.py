@@ -144,7 +144,7 @@ def teacher_forced(model: MTPTransformer, prompts, continuations, draft_depth: i
 def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max_new_tokens: int,
                         batch_size: int = 8, stop_tokens=(), pad_multiple: int = 64,
                         repeats: int = 3, timing_steps: int = 256, timing_repeats: int = 5,
-                        draft_vocab=None, draft_min_prob: float = 0.0, tree=(),
+                        draft_vocab=None, draft_min_prob: float = 0.0, tree=(), latency_prompts: int = 0,
                         compiled: set | None = None) -> dict:
   """Greedy speculative vs plain decoding of one prompt set: acceptance, speedups, losslessness.
 
@@ -153,15 +153,16 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max
   not proposed as not accepted, so they describe the decoder, not the heads (`tf_ar` does).
   `tree`: greedy tree drafts (`decode.generate`); `ar`/`car` and `accept_len` are then those of
   the path each step kept.
+  `latency_prompts` > 0 also times both decodings one prompt at a time (batch 1, the latency case)
+  on that many of the prompts: `speedup_batch1`.
   `compiled`: as in `timed_decode`.
   """
   tree = tuple(int(b) for b in tree)
   stop = tuple(int(t) for t in stop_tokens)
-  runs = timed_decode(model, prompts, {'plain': dict(max_new_tokens=max_new_tokens, stop_tokens=stop),
-                                       'spec': dict(max_new_tokens=max_new_tokens, stop_tokens=stop,
-                                                    draft_depth=draft_depth, draft_vocab=draft_vocab,
-                                                    draft_min_prob=draft_min_prob, tree=tree)},
-                      batch_size=batch_size, pad_multiple=pad_multiple, repeats=repeats,
+  settings = {'plain': dict(max_new_tokens=max_new_tokens, stop_tokens=stop),
+              'spec': dict(max_new_tokens=max_new_tokens, stop_tokens=stop, draft_depth=draft_depth,
+                           draft_vocab=draft_vocab, draft_min_prob=draft_min_prob, tree=tree)}
+  runs = timed_decode(model, prompts, settings, batch_size=batch_size, pad_multiple=pad_multiple, repeats=repeats,
                       compiled=compiled)
   (plain, plain_s), (spec, spec_s) = runs['plain'], runs['spec']
   stats = metrics.acceptance_stats(np.concatenate(spec.accept_lengths), draft_depth)
@@ -175,6 +176,13 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max
   plain_step, spec_step = costs['plain'], costs['spec']
   tf = teacher_forced(model, prompts, plain.tokens, draft_depth, batch_size)
   plain_tps, spec_tps = plain_tokens / plain_s, spec_tokens / spec_s
+  latency = {}
+  if latency_prompts:
+    one = timed_decode(model, prompts[:latency_prompts], settings, batch_size=1, pad_multiple=pad_multiple,
+                       repeats=repeats, compiled=compiled)
+    tps = {name: sum(map(len, gen.tokens)) / s for name, (gen, s) in one.items()}
+    latency = {'latency_prompts': min(latency_prompts, len(prompts)), 'plain_tokens_per_s_batch1': tps['plain'],
+               'spec_tokens_per_s_batch1': tps['spec'], 'speedup_batch1': tps['spec'] / tps['plain']}
   return {
       **stats,
       'draft_depth': draft_depth,
@@ -192,6 +200,7 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max
       'main_accuracy': tf['main_accuracy'], 'main_loss': tf['main_loss'],
       # Per prompt, in prompt order: what a paired comparison of two models resamples (report.py).
       'per_prompt': metrics.per_prompt_counts(spec.accept_lengths),
+      **latency,
   }
 
 

@@ -187,7 +187,7 @@ def _evaluate_workdir(workdir, draft_depth, *, write, defaults, config, out_dir)
                                             batch_size=e.batch_size, stop_tokens=stop,
                                             repeats=e.repeats, timing_steps=e.timing_steps,
                                             timing_repeats=e.timing_repeats,
-                                            draft_vocab=vocab,
+                                            draft_vocab=vocab, latency_prompts=e.get('latency_prompts', 0),
                                             draft_min_prob=e.get('draft_min_prob', 0.0), tree=tuple(e.get('tree', ())))
     print(evaluate.markdown_table(results), flush=True)
   if write:

@@ -251,6 +251,7 @@ FIELD_RULES: dict[str, Rule] = {
     'eval.repeats': integer(1),
     'eval.timing_steps': integer(1),
     'eval.timing_repeats': integer(1),
+    'eval.latency_prompts': integer(0),
     'ckpt.every_steps': integer(0),
     'ckpt.max_to_keep': integer(1),
     'mesh.shape': Rule('sizes >= 1, at most one -1', _mesh_shape),
