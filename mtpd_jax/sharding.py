@@ -118,10 +118,6 @@ def batch_spec(mesh) -> P:
   return P(axes if axes else None)
 
 
-def data_parallel_size(mesh) -> int:
-  return math.prod(mesh.shape.get(a, 1) for a in AXIS_RULES['batch'])
-
-
 def put_batch(local_batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
   """Global arrays from this process's rows of the batch (multi-host safe)."""
   sharding = NamedSharding(mesh, batch_spec(mesh))
