@@ -27,6 +27,7 @@ from jax import lax
 
 from mtpd_jax import losses
 from mtpd_jax.shifts import shift_right
+from mtpd_jax.top_n import top_n_threshold
 
 
 def _chunk(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg):
@@ -50,7 +51,7 @@ def _chunk(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg):
           'agree': jnp.sum((at_main_argmax_K1xR >= m_K1xR) * mask_K1xR, axis=-1)}
   if distill and num_pred > 1:
     t_1xRxV = z_K1xRxV[:1] / tau
-    thr_1xR = (losses.top_n_threshold(t_1xRxV, top_n) if top_n is not None
+    thr_1xR = (top_n_threshold(t_1xRxV, top_n) if top_n is not None
                else jnp.full((1, rows), -jnp.inf))
     g_K1xR = jnp.concatenate([jnp.zeros(1), kl_coef_K])[:, None] * mask_K1xR  # the main row has no KL
     args = (z_K1xRxV, thr_1xR, g_K1xR, top_n, top_n_mode, measure, renormalize, tau)
@@ -85,7 +86,7 @@ def _per_head_kl(z_K1xRxV, thr_1xR, g_K1xR, top_n, top_n_mode, measure, renormal
   kls, ds = [jnp.zeros(rows, jnp.float32)], [jnp.zeros((1, rows, v), jnp.float32)]
   for k in range(1, z_K1xRxV.shape[0]):
     s_1xRxV = z_K1xRxV[k:k + 1] / tau
-    s_thr_1xR = losses.top_n_threshold(s_1xRxV, top_n) if top_n_mode == 'union' and top_n is not None else None
+    s_thr_1xR = top_n_threshold(s_1xRxV, top_n) if top_n_mode == 'union' and top_n is not None else None
     kl_1xR, res = losses.detached_divergence_fwd(t_1xRxV, s_1xRxV, thr_1xR, s_thr_1xR, t_lse, 0, measure,
                                                  renormalize)
     ds.append(losses.detached_divergence_bwd(0, measure, renormalize, res, g_K1xR[k:k + 1])[1] / tau)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtpd_jax.shifts import shift_left
-from mtpd_jax.top_n import above, count_above, top_n_threshold  # noqa: F401  (re-exported)
+from mtpd_jax.top_n import above, top_n_threshold
 
 KL_DIRECTIONS = ('forward', 'reverse')
 DIVERGENCES = ('kl', 'tv', 'js')
