@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from mtpd_jax.moe import MoE, MoEConfig, summarize
+from mtpd_jax.moe import MoE, MoEConfig, param, summarize
 from mtpd_jax.shifts import shift_left
 
 # One attention layer's {'k': BxGxSxE, 'v': BxGxSxE}: kv heads before slots, the layout both attention
@@ -105,11 +105,6 @@ def dense(spec: str, x, w, out_major: bool = False, preferred_element_type=None)
   return lax.optimization_barrier(y_OxN).T[:n].reshape(*lead, w.shape[0])
 
 
-def _param(rngs: nnx.Rngs | ParamKeys, init, shape, axes) -> nnx.Param:
-  """A float32 parameter that carries its logical axis names (mapped to the mesh in sharding.py)."""
-  return nnx.Param(init(rngs.params(), shape, jnp.float32), axes=axes)
-
-
 _dense_init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')
 
 
@@ -120,7 +115,7 @@ def _dense_init_in_axes(*in_axes):
 
 class RMSNorm(nnx.Module):
   def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
-    self.scale = _param(rngs, nnx.initializers.ones, (dim,), ('norm',))
+    self.scale = param(rngs, nnx.initializers.ones, (dim,), ('norm',))
     self.eps = eps
 
   def __call__(self, x):
@@ -177,10 +172,10 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, h, g, e = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.cfg = cfg
-    self.wq = _param(rngs, _dense_init, (d, h, e), ('embed', 'heads', 'head_dim'))
-    self.wk = _param(rngs, _dense_init, (d, g, e), ('embed', 'kv_heads', 'head_dim'))
-    self.wv = _param(rngs, _dense_init, (d, g, e), ('embed', 'kv_heads', 'head_dim'))
-    self.wo = _param(rngs, _dense_init_in_axes(0, 1), (h, e, d), ('heads', 'head_dim', 'embed'))
+    self.wq = param(rngs, _dense_init, (d, h, e), ('embed', 'heads', 'head_dim'))
+    self.wk = param(rngs, _dense_init, (d, g, e), ('embed', 'kv_heads', 'head_dim'))
+    self.wv = param(rngs, _dense_init, (d, g, e), ('embed', 'kv_heads', 'head_dim'))
+    self.wo = param(rngs, _dense_init_in_axes(0, 1), (h, e, d), ('heads', 'head_dim', 'embed'))
     if cfg.qk_norm:
       self.q_norm = RMSNorm(e, cfg.norm_eps, rngs)
       self.k_norm = RMSNorm(e, cfg.norm_eps, rngs)
@@ -223,9 +218,9 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
     d, f = cfg.dim, width or cfg.mlp_dim
-    self.w_gate = _param(rngs, _dense_init, (d, f), ('embed', 'mlp'))
-    self.w_up = _param(rngs, _dense_init, (d, f), ('embed', 'mlp'))
-    self.w_down = _param(rngs, _dense_init, (f, d), ('mlp', 'embed'))
+    self.w_gate = param(rngs, _dense_init, (d, f), ('embed', 'mlp'))
+    self.w_up = param(rngs, _dense_init, (d, f), ('embed', 'mlp'))
+    self.w_down = param(rngs, _dense_init, (f, d), ('mlp', 'embed'))
 
   def __call__(self, x_BxTxD):
     om = self.out_major
@@ -279,7 +274,7 @@ class MTPHead(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.hidden_norm = RMSNorm(cfg.dim, cfg.norm_eps, rngs)
     self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps, rngs)
-    self.proj = _param(rngs, _dense_init, (2 * cfg.dim, cfg.dim), ('embed_in', 'embed'))
+    self.proj = param(rngs, _dense_init, (2 * cfg.dim, cfg.dim), ('embed_in', 'embed'))
     self.block = Block(cfg, rngs)
     self.remat = cfg.remat
 
@@ -313,11 +308,11 @@ class MTPTransformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     keys = ParamKeys(rngs)
-    self.embed = _param(keys, nnx.initializers.normal(0.02), (cfg.vocab_size, cfg.dim), ('vocab', 'embed'))
+    self.embed = param(keys, nnx.initializers.normal(0.02), (cfg.vocab_size, cfg.dim), ('vocab', 'embed'))
     self.blocks = nnx.List([Block(cfg, keys) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, keys)
     if not cfg.tie_embeddings:
-      self.unembed = _param(keys, _dense_init, (cfg.dim, cfg.vocab_size), ('embed', 'vocab'))
+      self.unembed = param(keys, _dense_init, (cfg.dim, cfg.vocab_size), ('embed', 'vocab'))
     self.mtp_heads = nnx.List([MTPHead(cfg, keys) for _ in range(cfg.num_mtp_heads)])
     keys.close()
 

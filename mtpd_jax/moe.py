@@ -71,7 +71,9 @@ class RouterBias(nnx.Param):
   """A router's balancing bias (DeepSeek-V3): chooses experts, gets no gradient, moved by the forward."""
 
 
-def _param(rngs: nnx.Rngs, init, shape, axes, kind=nnx.Param) -> nnx.Param:
+def param(rngs, init, shape, axes, kind=nnx.Param) -> nnx.Param:
+  """A float32 parameter (of `kind`) that carries its logical axis names, mapped to the mesh by
+  sharding.py; `rngs` is anything with a `params()` key stream (model.py's keys too)."""
   return kind(init(rngs.params(), shape, jnp.float32), axes=axes)
 
 
@@ -122,11 +124,11 @@ class MoE(nnx.Module):
   def __init__(self, dim: int, cfg: MoEConfig, rngs: nnx.Rngs):
     x, f = cfg.num_experts, cfg.expert_dim
     self.cfg = cfg
-    self.w_router = _param(rngs, nnx.initializers.normal(0.02), (dim, x), ('embed', None))
-    self.router_bias = _param(rngs, nnx.initializers.zeros, (x,), (None,), RouterBias)
-    self.w_gate = _param(rngs, _expert_init, (x, dim, f), ('expert', 'embed', 'mlp'))
-    self.w_up = _param(rngs, _expert_init, (x, dim, f), ('expert', 'embed', 'mlp'))
-    self.w_down = _param(rngs, _expert_init, (x, f, dim), ('expert', 'mlp', 'embed'))
+    self.w_router = param(rngs, nnx.initializers.normal(0.02), (dim, x), ('embed', None))
+    self.router_bias = param(rngs, nnx.initializers.zeros, (x,), (None,), RouterBias)
+    self.w_gate = param(rngs, _expert_init, (x, dim, f), ('expert', 'embed', 'mlp'))
+    self.w_up = param(rngs, _expert_init, (x, dim, f), ('expert', 'embed', 'mlp'))
+    self.w_down = param(rngs, _expert_init, (x, f, dim), ('expert', 'mlp', 'embed'))
 
   def _experts(self, x_XxYxCxD):
     dt = x_XxYxCxD.dtype
