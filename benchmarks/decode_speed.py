@@ -23,6 +23,7 @@ token-for-token comparison of the greedy outputs.
 
 --draft_vocab=N drafts among the N most frequent tokens of the training text (the synthetic rows,
 or the embedded corpus); verification still uses the whole vocabulary, so decoding stays lossless.
+Heads of a --workdir trained over a head vocabulary (mtp.head_vocab) draft among its saved ids.
 A list (`0,4096`) decodes every setting with each, side by side (keys `depthJ_dvN`), and
 `draft_vocab_effect` gives each size's AR1 and tokens/s against the whole vocabulary's (0).
 
@@ -157,6 +158,12 @@ def _gguf_setup(args):
     model, config = training.restore_model(args.workdir)
     gguf_llama.check_model_config(config.model.to_dict(), args.model)
     info['workdir'] = args.workdir
+    ids = training.head_vocab_of(args.workdir, config)
+    if ids is not None:  # heads trained over a head vocabulary draft among its ids, and only those
+      if any(n not in (0, len(ids)) for n in args.draft_vocab):
+        raise cli.InputError(f'--draft_vocab={args.draft_vocab}: the heads of {args.workdir} were trained over '
+                             f'its {len(ids)} head-vocabulary ids and draft among those; leave --draft_vocab out')
+      info['head_vocab_ids'] = ids
   else:
     model = gguf_llama.load_model(args.model, num_mtp_heads=args.num_heads, seed=args.seed)
     info['load_s'] = time.perf_counter() - start
@@ -352,7 +359,10 @@ def _print(prefix: str, r: dict) -> None:
 def main(args: types.SimpleNamespace) -> dict:
   gguf = args.model != 'tiny'
   model, sets, stop, pad, train_tokens, info = (_gguf_setup if gguf else _tiny_setup)(args)
-  vocabs = {n: evaluate.frequent_tokens(np.ravel(train_tokens()), n) if n else None for n in args.draft_vocab}
+  head_ids = info.pop('head_vocab_ids', None)
+  vocabs = ({len(head_ids): head_ids} if head_ids is not None else
+            {n: evaluate.frequent_tokens(np.ravel(train_tokens()), n) if n else None for n in args.draft_vocab})
+  info['draft_vocab_source'] = 'the workdir\'s head vocabulary' if head_ids is not None else 'the training text'
   depths = [int(d) for d in args.depths.split(',')] if args.depths else [model.cfg.num_mtp_heads]
   batch_sizes = [int(b) for b in args.batch_sizes.split(',')]
   results = {'model': args.model, 'num_heads': model.cfg.num_mtp_heads, **info, 'args': vars(args),
