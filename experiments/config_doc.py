@@ -10,6 +10,8 @@ import os
 import re
 import sys
 
+from flax import traverse_util
+
 BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'base.py')
 BEGIN, END = '<!-- config-reference:begin -->', '<!-- config-reference:end -->'
 _ASSIGN = re.compile(r'^\s*c\.([\w.]+)\s*=\s*(.*?)\s*(?:#\s?(.*))?$')
@@ -49,7 +51,7 @@ def reference_table(path: str = BASE) -> str:
   from configs import base  # pylint: disable=import-outside-toplevel
   comments = field_comments(path)
   config = base.get_config()
-  fields = set(_flat_names(config.to_dict()))
+  fields = set(traverse_util.flatten_dict(config.to_dict(), sep='.'))
   if missing := fields - set(comments):
     raise ValueError(f'{path} sets {sorted(missing)} in a way this reference cannot read')
   lines = ['| field | default | meaning |', '|---|---|---|']
@@ -63,13 +65,6 @@ def reference_table(path: str = BASE) -> str:
     else:
       lines.append(f'| `{name}` | {_default(value)} | {comment} |')
   return '\n'.join(lines)
-
-
-def _flat_names(tree: dict, prefix: str = '') -> list[str]:
-  out = []
-  for key, value in tree.items():
-    out += _flat_names(value, prefix + key + '.') if isinstance(value, dict) else [prefix + key]
-  return out
 
 
 def replace_block(text: str, table: str) -> str:

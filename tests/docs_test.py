@@ -2,6 +2,8 @@
 
 import os
 
+from flax import traverse_util
+
 from configs import base
 from experiments import config_doc
 
@@ -27,7 +29,7 @@ def test_field_comments_join_lines_above_trailing_comment_and_aligned_continuati
 
 def test_every_config_field_is_documented():
   comments = config_doc.field_comments()
-  assert set(comments) >= set(config_doc._flat_names(base.get_config().to_dict()))
+  assert set(comments) >= set(traverse_util.flatten_dict(base.get_config().to_dict(), sep='.'))
   undocumented = [name for name, text in comments.items() if not text]
   assert not undocumented, f'configs/base.py: give these fields a comment: {undocumented}'
 

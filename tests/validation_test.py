@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+from flax import traverse_util
 
 from configs import base
 from conftest import small_config
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.reliability
 
 
 def test_every_field_of_base_config_has_a_rule():
-  fields = set(validation._flat(base.get_config().to_dict()))  # pylint: disable=protected-access
+  fields = set(traverse_util.flatten_dict(base.get_config().to_dict(), sep='.'))
   assert not fields - set(validation.FIELD_RULES), f'fields without a rule in validation.FIELD_RULES: {fields - set(validation.FIELD_RULES)}'
   assert not set(validation.FIELD_RULES) - fields, 'rules for fields that base.py no longer has'
 

@@ -10,7 +10,7 @@ import os
 import jax
 import ml_collections
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 
 from mtpd_jax import checkpoint, head_vocab, sharding, train
 from mtpd_jax.harness import gguf_llama, recipe, regenerate, trunk_cache, validation
@@ -156,9 +156,10 @@ def with_defaults(saved: dict, defaults: dict) -> dict:
 
 
 def _flatten(x, prefix: str) -> dict:
+  """{'prefix.a.b': value} of a nested dict (a leaf: {prefix: x})."""
   if not isinstance(x, dict):
     return {prefix: x}
-  return {k: v for key, value in x.items() for k, v in _flatten(value, f'{prefix}.{key}').items()}
+  return {f'{prefix}.{k}' if prefix else k: v for k, v in traverse_util.flatten_dict(x, sep='.').items()}
 
 
 def state_mismatch(saved: dict, current: dict) -> list[str]:
@@ -185,7 +186,6 @@ def _inactive(flat: dict, key: str) -> bool:
 def resume_mismatch(saved: dict, current: dict) -> list[str]:
   """'field: saved -> current' for every field that differs and must not change on resume."""
   a, b = _flatten(saved, ''), _flatten(current, '')
-  a, b = ({k[1:]: v for k, v in x.items()} for x in (a, b))
   may = lambda k: any(k == f or k.startswith(f + '.') for f in MAY_CHANGE_ON_RESUME)
   return [f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in sorted(set(a) | set(b))
           if json.dumps(a.get(k)) != json.dumps(b.get(k)) and not may(k)

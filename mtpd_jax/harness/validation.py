@@ -7,6 +7,7 @@ import os
 from typing import Any, Callable, NamedTuple
 
 import ml_collections
+from flax import traverse_util
 
 from mtpd_jax import data, losses, sharding
 from mtpd_jax.harness import corpus, gguf_llama, prompts, recipe, trunk_cache
@@ -259,16 +260,9 @@ FIELD_RULES: dict[str, Rule] = {
 }
 
 
-def _flat(tree: dict, prefix: str = '') -> dict[str, Any]:
-  out = {}
-  for key, value in tree.items():
-    out.update(_flat(value, f'{prefix}{key}.') if isinstance(value, dict) else {prefix + key: value})
-  return out
-
-
 def check_fields(config: ml_collections.ConfigDict) -> None:
   """Every field against its rule in FIELD_RULES; a field no rule knows is refused as a likely typo."""
-  for name, value in _flat(config.to_dict()).items():
+  for name, value in traverse_util.flatten_dict(config.to_dict(), sep='.').items():
     if name not in FIELD_RULES:
       raise ValueError(f'{name}={value!r} is not a field of configs/base.py (validation.FIELD_RULES has no rule for it)')
     should = FIELD_RULES[name].bad(value, config)
