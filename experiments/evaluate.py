@@ -28,6 +28,7 @@ def _fmt(x) -> str:
 def check_inputs(workdir: str, draft_depth: int) -> None:
   """The workdir, its config.json and the files that config names, before any work."""
   from configs import base
+  from mtpd_jax import train
   from mtpd_jax.harness import cli, training, validation
   if draft_depth < 0:
     raise cli.InputError(f'--draft_depth={draft_depth} must be >= 0 (0 = eval.draft_depth or K)')
@@ -36,13 +37,12 @@ def check_inputs(workdir: str, draft_depth: int) -> None:
   try:
     config = training.saved_config(workdir, base.get_config())
   except json.JSONDecodeError as e:
-    raise cli.InputError(f'{os.path.join(workdir, "config.json")}:{e.lineno}: not valid JSON ({e.msg})') from None
+    raise cli.InputError(f'{os.path.join(workdir, train.CONFIG_JSON)}:{e.lineno}: not valid JSON ({e.msg})') from None
   heads = config.mtp.num_heads
   if draft_depth and not heads:
     raise cli.InputError(f'--draft_depth={draft_depth}: the model of {workdir} has no MTP heads to draft with')
   validation.validate_config(config, mesh=False)  # evaluation builds its own mesh
-  if not os.path.isdir(os.path.join(workdir, 'checkpoints')) or not any(
-      n.isdigit() for n in os.listdir(os.path.join(workdir, 'checkpoints'))):
+  if not training.has_checkpoints(workdir):
     raise FileNotFoundError(f'{workdir} holds no checkpoint to evaluate')
 
 

@@ -26,6 +26,12 @@ from mtpd_jax import checkpoint, fused_loss, head_vocab, losses, moe, runtime, s
 from mtpd_jax.model import ModelConfig, MTPTransformer
 
 
+# What `fit` writes into a workdir; the harness reads a workdir by these names.
+CHECKPOINTS = 'checkpoints'      # orbax checkpoints of the state and the data iterator
+CONFIG_JSON = 'config.json'      # the run's complete config, as the harness gave it
+METRICS = 'metrics.jsonl'        # a line per logged step and per held-out evaluation
+
+
 class TrainState(flax.struct.PyTreeNode):
   step: jax.Array
   params: nnx.State
@@ -319,7 +325,7 @@ def fit(spec: TrainSpec, workdir: str, *, progress: bool = True):
     abstract, shardings = spec.abstract_state()
     step_fn, eval_fn = make_steps(spec.step, spec.schedule, spec.trainable, mesh, shardings)
     train_it = spec.batches('train')
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=loop.ckpt_every,
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, CHECKPOINTS), every_steps=loop.ckpt_every,
                                    max_to_keep=loop.max_to_keep)
     ckpt.check_free_space(abstract)
     # A restored data iterator starts reading (prefetching) at once, and its batches may read what
@@ -329,11 +335,11 @@ def fit(spec: TrainSpec, workdir: str, *, progress: bool = True):
       spec.prepare(state)
       if start:
         ckpt.restore_data(start, train_it)
-    log = runtime.MetricsLog(os.path.join(workdir, 'metrics.jsonl'), start)  # may refuse: before config.json
+    log = runtime.MetricsLog(os.path.join(workdir, METRICS), start)  # may refuse: before config.json
     write = lambda step, record: log.write({'step': step, 'elapsed_s': round(time.perf_counter() - started, 2),
                                             **record})
     if jax.process_index() == 0:
-      runtime.write_atomically(os.path.join(workdir, 'config.json'), spec.config_json)
+      runtime.write_atomically(os.path.join(workdir, CONFIG_JSON), spec.config_json)
     held_out = lambda s: evaluate_loss(s, eval_fn, spec.batches('eval'), loop.eval_batches, mesh)
     bar = runtime.progress_bar(progress, start, loop.steps)
     pending, last_log = None, (start, time.perf_counter())

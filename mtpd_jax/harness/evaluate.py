@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mtpd_jax import decode, losses, metrics
+from mtpd_jax import decode, losses, metrics, runtime
 from mtpd_jax.model import MTPTransformer
 from mtpd_jax.shifts import shift_left
 
@@ -286,8 +286,8 @@ def write_report(results: dict, workdir: str, heldout: dict | None = None) -> No
   With no prompt-set results (a model without heads) only the held-out line is written, no plot.
   """
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'eval.json'), 'w') as f:
-    json.dump(json_ready({'prompt_sets': results, 'heldout': heldout}), f, indent=2)
+  runtime.write_atomically(os.path.join(workdir, 'eval.json'),
+                           json.dumps(json_ready({'prompt_sets': results, 'heldout': heldout}), indent=2))
   md = ['# Speculative decoding with the MTP heads', '']
   if results:
     md += ['Cells: CAR / AR (%) of draft depth H (head ((H-1) mod K)+1), greedy verification.', '',
@@ -295,8 +295,7 @@ def write_report(results: dict, workdir: str, heldout: dict | None = None) -> No
   if heldout:
     md.append(f"Main head, held-out: loss {heldout['loss']:.4f}, next-token accuracy "
               f"{100 * heldout['accuracy']:.2f}% over {heldout['tokens']} tokens.\n")
-  with open(os.path.join(workdir, 'eval.md'), 'w') as f:
-    f.write('\n'.join(md))
+  runtime.write_atomically(os.path.join(workdir, 'eval.md'), '\n'.join(md))
   if results:
     _plot(results, os.path.join(workdir, 'eval.png'))
 

@@ -15,7 +15,7 @@ import re
 import ml_collections
 import numpy as np
 
-from mtpd_jax import checkpoint, workdir_lock
+from mtpd_jax import checkpoint, runtime, workdir_lock
 from mtpd_jax.harness import evaluate, looped, recipe, report, training, validation
 
 SUMMARY = 'summary.json'
@@ -111,8 +111,8 @@ def _run_point(config, workdir, *, root, progress, plan):
   summary = {'config': _digest(original.to_json()), 'model_dir': model_dir, 'final': final,
              'eval': evaluate_workdir(model_dir, config=eval_config, out_dir=workdir)
                      if config.eval.enabled else None}
-  with open(os.path.join(workdir, SUMMARY), 'w') as f:
-    json.dump(evaluate.json_ready(summary), f, indent=2)
+  # Its presence marks the point finished (run_sweep skips it): written whole or not at all.
+  runtime.write_atomically(os.path.join(workdir, SUMMARY), json.dumps(evaluate.json_ready(summary), indent=2))
   return summary
 
 

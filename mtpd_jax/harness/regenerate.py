@@ -25,7 +25,7 @@ from collections.abc import Callable
 import ml_collections
 import numpy as np
 
-from mtpd_jax import decode, runtime
+from mtpd_jax import decode, runtime, train
 from mtpd_jax.harness import corpus, gguf_llama, prompts
 from mtpd_jax.model import MTPTransformer
 
@@ -37,7 +37,7 @@ def _model_identity(init_from: str) -> dict:
   if gguf_llama.is_gguf(init_from):
     path = gguf_llama.resolve(init_from)
   else:
-    ckpts = os.path.join(init_from, 'checkpoints')
+    ckpts = os.path.join(init_from, train.CHECKPOINTS)
     steps = sorted(int(n) for n in os.listdir(ckpts) if n.isdigit()) if os.path.isdir(ckpts) else []
     if not steps:
       raise FileNotFoundError(f'train.init_from={init_from}: no checkpoint to regenerate the training text with')

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from mtpd_jax import runtime
+from mtpd_jax import runtime, train
 from mtpd_jax.harness.paired import BOOTSTRAP_SAMPLES, paired_differences, set_mean, unpaired_warnings
 
 
@@ -155,7 +155,7 @@ def plot_loss_curves(rows, run_dirs, path: str) -> None:
   plt = _plt()
   fig, axes = plt.subplots(1, len(rows), figsize=(3.6 * len(rows), 3.2), squeeze=False, sharey=True)
   for ax, (label, _), dirs in zip(axes[0], rows, run_dirs):
-    metrics_path = os.path.join(dirs[0], 'metrics.jsonl') if dirs else ''
+    metrics_path = os.path.join(dirs[0], train.METRICS) if dirs else ''
     if os.path.exists(metrics_path):
       with open(metrics_path) as f:
         logged = [r for r in map(json.loads, f) if 'train/xent' in r]
@@ -179,7 +179,7 @@ def curves(run_dirs) -> list[list[dict]]:
   metrics.jsonl, with their step; empty without them)."""
   out = []
   for dirs in run_dirs:
-    path = os.path.join(dirs[0], 'metrics.jsonl') if dirs else ''
+    path = os.path.join(dirs[0], train.METRICS) if dirs else ''
     lines = []
     if os.path.exists(path):
       with open(path) as f:

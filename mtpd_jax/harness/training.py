@@ -193,7 +193,7 @@ def resume_mismatch(saved: dict, current: dict) -> list[str]:
 
 
 def has_checkpoints(workdir: str) -> bool:
-  ckpt_dir = os.path.join(workdir, 'checkpoints')
+  ckpt_dir = os.path.join(workdir, train.CHECKPOINTS)
   return os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
 
 
@@ -205,7 +205,7 @@ def check_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
     return
   if config.train.resume == 'never':
     raise ValueError(f'train.resume=never, but {workdir} already holds checkpoints; choose a fresh --workdir')
-  if not os.path.exists(os.path.join(workdir, 'config.json')):
+  if not os.path.exists(os.path.join(workdir, train.CONFIG_JSON)):
     raise ValueError(f'{workdir} holds checkpoints but no config.json, so nothing says which model they '
                      'belong to; put its config.json back or use another --workdir')
   current = json.loads(config.to_json())
@@ -227,7 +227,7 @@ def saved_config(workdir: str, defaults: ml_collections.ConfigDict | None = None
   `defaults` (an entry point passes configs/base.py's) fill the fields that a workdir of an older
   version lacks.
   """
-  path = os.path.join(workdir, 'config.json')
+  path = os.path.join(workdir, train.CONFIG_JSON)
   if not os.path.exists(path):
     raise FileNotFoundError(f'{workdir} holds no config.json: not a training workdir')
   with open(path) as f:
@@ -244,7 +244,7 @@ def saved_config(workdir: str, defaults: ml_collections.ConfigDict | None = None
 
 def checkpoint_meta(workdir: str) -> dict | None:
   """The meta saved with a workdir's latest checkpoint (`train.TrainSpec.checkpoint_meta`)."""
-  ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=0, max_to_keep=1)
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, train.CHECKPOINTS), every_steps=0, max_to_keep=1)
   try:
     step = ckpt.latest_step()
     return None if step is None else ckpt.restore_meta(step)
@@ -277,7 +277,7 @@ def restore_model(workdir: str, mesh=None, defaults: ml_collections.ConfigDict |
   """
   config = saved_config(workdir, defaults)
   mesh = mesh or sharding.make_mesh((-1,), ('data',))
-  ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=0, max_to_keep=1)
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, train.CHECKPOINTS), every_steps=0, max_to_keep=1)
   step = ckpt.latest_step()
   if step is None:
     raise FileNotFoundError(f'{workdir} holds no checkpoint')
