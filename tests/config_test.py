@@ -117,13 +117,14 @@ def test_cli_refuses_bad_input_with_one_line_and_exit_2(tmp_path):
     assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
-def test_draft_vocab_is_the_most_frequent_training_tokens():
+def test_draft_and_head_vocabularies_are_the_most_frequent_training_tokens():
   from conftest import small_config
-  from mtpd_jax.harness import experiment  # pylint: disable=import-outside-toplevel
   config = small_config(num_heads=1)
-  config.eval.draft_vocab = 8
-  ids = experiment.draft_vocab(config, batches=4)
-  it = recipe.make_data_iterator(config, 'train')
-  counts = np.bincount(np.concatenate([np.asarray(next(it)['inputs']).ravel() for _ in range(4)]))
+  config.data.synthetic_records = 64
+  ids = recipe.frequent_training_tokens(config, 8)
+  source = recipe.make_source(config, 'train')
+  counts = np.bincount(np.concatenate([source[i]['inputs'] for i in range(len(source))]))
   assert len(ids) == 8 and np.all(np.diff(ids) > 0)
   assert counts[ids].min() >= np.delete(counts, ids).max()
+  config.mtp.head_vocab = 8
+  np.testing.assert_array_equal(recipe.head_vocab_ids(config), ids)

@@ -13,7 +13,6 @@ import os
 import re
 
 import ml_collections
-import numpy as np
 
 from mtpd_jax import checkpoint, runtime, workdir_lock
 from mtpd_jax.harness import evaluate, looped, recipe, report, training, validation
@@ -179,7 +178,8 @@ def _evaluate_workdir(workdir, draft_depth, *, write, defaults, config, out_dir)
     sets = recipe.prompt_sets(config)
     # Heads trained over a head vocabulary draft among its ids, as saved with their checkpoint.
     vocab = training.head_vocab_of(workdir, saved)
-    vocab = vocab if vocab is not None else draft_vocab(config) if e.get('draft_vocab', 0) else None
+    if vocab is None and e.get('draft_vocab', 0):  # the most frequent training tokens, as a head vocabulary is
+      vocab = recipe.frequent_training_tokens(config, e.draft_vocab)
     # The embedded tokenizer's stop tokens: EOS, and for an instruct model also its end of turn.
     stop = (recipe.embedded_data(config).tokenizer().stop_ids if config.data.source == 'embedded'
             else (config.data.eos_id,))
@@ -193,13 +193,6 @@ def _evaluate_workdir(workdir, draft_depth, *, write, defaults, config, out_dir)
   if write:
     evaluate.write_report(results, out_dir, heldout)
   return {'prompt_sets': results, 'heldout': heldout}
-
-
-def draft_vocab(config, batches: int = 64) -> np.ndarray:
-  """eval.draft_vocab ids: the most frequent tokens of the first `batches` training batches."""
-  it = recipe.make_data_iterator(config, 'train')
-  tokens = np.concatenate([np.asarray(next(it)['inputs']).ravel() for _ in range(batches)])
-  return evaluate.frequent_tokens(tokens, config.eval.draft_vocab)
 
 
 def format_summary(metrics: dict[str, float], num_heads: int) -> str:
