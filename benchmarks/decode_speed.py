@@ -265,6 +265,18 @@ flags.DEFINE_string('out', '',
                     'results JSON (default benchmarks/results/decode_speed[_<model>].json)', flag_values=FLAGS)
 
 
+def _ints(args, name: str, lo: int, what: str) -> list[int]:
+  """A --flag of comma-separated integers, each >= lo and distinct, or one line naming the flag."""
+  value = getattr(args, name)
+  try:
+    out = [int(n) for n in str(value).split(',')]
+  except ValueError:
+    raise cli.InputError(f'--{name}={value} must be a comma-separated list of integers') from None
+  if any(n < lo for n in out) or len(set(out)) != len(out):
+    raise cli.InputError(f'--{name}={value} must be {what}')
+  return out
+
+
 def parse_args(argv=None) -> types.SimpleNamespace:
   """The flags from `argv` (default: the command line), every other flag at its default."""
   args = common.parse_flags(FLAGS, argv, __doc__)
@@ -274,12 +286,9 @@ def parse_args(argv=None) -> types.SimpleNamespace:
       setattr(args, name, values[gguf])
   if args.workdir and not gguf:
     raise cli.InputError('--workdir needs a GGUF --model (smollm2 or a .gguf path)')
-  try:
-    args.draft_vocab = [int(n) for n in str(args.draft_vocab).split(',')]
-  except ValueError:
-    raise cli.InputError(f'--draft_vocab={args.draft_vocab} must be a comma-separated list of integers')
-  if any(n < 0 for n in args.draft_vocab) or len(set(args.draft_vocab)) != len(args.draft_vocab):
-    raise cli.InputError(f'--draft_vocab={args.draft_vocab} must be distinct sizes >= 0')
+  args.draft_vocab = _ints(args, 'draft_vocab', 0, 'distinct sizes >= 0')
+  args.depths = _ints(args, 'depths', 1, 'distinct draft depths >= 1') if args.depths else []
+  args.batch_sizes = _ints(args, 'batch_sizes', 1, 'distinct batch sizes >= 1')
   try:
     args.draft_min_prob = [float(p) for p in str(args.draft_min_prob).split(',')]
   except ValueError:
@@ -289,7 +298,7 @@ def parse_args(argv=None) -> types.SimpleNamespace:
   try:
     args.tree = tuple(int(b) for b in args.tree.split(',')) if args.tree else ()
   except ValueError:
-    raise cli.InputError(f'--tree={args.tree} must be a comma-separated list of branchings')
+    raise cli.InputError(f'--tree={args.tree} must be a comma-separated list of branchings') from None
   if any(b < 1 for b in args.tree):
     raise cli.InputError(f'--tree={args.tree} must be branchings >= 1')
   if args.out and not args.out.endswith('.json'):
@@ -363,8 +372,8 @@ def main(args: types.SimpleNamespace) -> dict:
   vocabs = ({len(head_ids): head_ids} if head_ids is not None else
             {n: evaluate.frequent_tokens(np.ravel(train_tokens()), n) if n else None for n in args.draft_vocab})
   info['draft_vocab_source'] = 'the workdir\'s head vocabulary' if head_ids is not None else 'the training text'
-  depths = [int(d) for d in args.depths.split(',')] if args.depths else [model.cfg.num_mtp_heads]
-  batch_sizes = [int(b) for b in args.batch_sizes.split(',')]
+  depths = args.depths or [model.cfg.num_mtp_heads]
+  batch_sizes = args.batch_sizes
   results = {'model': args.model, 'num_heads': model.cfg.num_mtp_heads, **info, 'args': vars(args),
              'model_config': dataclasses.asdict(model.cfg), 'sets': {}}
   chains, trees = {}, {}  # key without the threshold -> {threshold: key}; chain key -> its tree's key

@@ -54,9 +54,9 @@ def test_tiny_quick(tmp_path):
 def test_parse_args_fills_per_model_defaults():
   tiny = decode_speed.parse_args([])
   assert (tiny.train_steps, tiny.depths, tiny.batch_sizes, tiny.out.endswith('results/decode_speed.json')) == (
-      300, '4,8', '1', True)
+      300, [4, 8], [1], True)
   real = decode_speed.parse_args(['--model=smollm2', '--train_steps=7'])
-  assert (real.train_steps, real.train_batch, real.train_seq, real.depths, real.batch_sizes) == (7, 4, 128, '', '1,8')
+  assert (real.train_steps, real.train_batch, real.train_seq, real.depths, real.batch_sizes) == (7, 4, 128, [], [1, 8])
   assert real.out.endswith('results/decode_speed_smollm2.json')
   with pytest.raises(cli.InputError, match='--workdir needs a GGUF'):
     decode_speed.parse_args(['--workdir=somewhere'])  # a workdir needs a GGUF model
@@ -64,6 +64,9 @@ def test_parse_args_fills_per_model_defaults():
   for bad in ('0,1.5', 'x', '0.5,0.5'):
     with pytest.raises(cli.InputError, match='--draft_min_prob'):
       decode_speed.parse_args([f'--draft_min_prob={bad}'])
+  for flag, bad in (('depths', 'abc'), ('depths', '0'), ('batch_sizes', '1,1'), ('draft_vocab', '-1')):
+    with pytest.raises(cli.InputError, match=f'^--{flag}={bad} must be'):  # the flag is named, not int()'s words
+      decode_speed.parse_args([f'--{flag}={bad}'])
   assert decode_speed.parse_args(['--tree=3,2,1,1']).tree == (3, 2, 1, 1)
   for bad in ('3,x', '2,0'):
     with pytest.raises(cli.InputError, match='--tree'):
