@@ -27,6 +27,8 @@ def load_token_file(path: str, vocab_size: int | None = None) -> np.ndarray:
 
   Ids are checked against [0, vocab_size) here, when the run starts, not when a batch reaches them.
   """
+  if os.path.isdir(path):
+    raise IsADirectoryError(f'token file {path} is a directory; name the .npy file of token ids inside it')
   if not os.path.isfile(path):
     raise FileNotFoundError(f'token file {path} does not exist')
   with open(path, 'rb') as f:

@@ -91,6 +91,7 @@ CASES = [  # (extra arguments, text the one-line message must contain)
     (['--config.eval.draft_depth=-2'], 'eval.draft_depth'),
     (['--config.data.source=web'], 'data.source'),
     (['--config.data.source=tokens', '--config.data.train_path=/no/such.npy'], 'token file /no/such.npy does not exist'),
+    (['--config.data.source=tokens', '--config.data.train_path={d}'], 'is a directory; name the .npy file'),
     (['--config.data.source=tokens', '--config.data.train_path={d}/empty.npy'], 'empty.npy: its training part'),
     (['--config.data.source=tokens', '--config.data.train_path={d}/big_ids.npy'], '>= vocab_size 256'),
     (['--config.data.source=tokens', '--config.data.train_path={d}/matrix.npy'], '1-D integer array'),
