@@ -103,7 +103,7 @@ def _run_point(config, workdir, *, root, progress, plan):
   for (_, d), (_, own_dir) in zip(plan, own):
     if d != own_dir:
       print(f'[shared] {own_dir}: the same model as {d}, trained once there', flush=True)
-  _, final = looped.run_stages(plan, progress=progress)
+  _, final = training.train_plan(plan, progress=progress)
   # Evaluated as this point says (its eval.* may differ from the shared model's own run).
   eval_config, model_dir = own[-1][0], plan[-1][1]
   print(format_summary(final, eval_config.mtp.num_heads), flush=True)

@@ -12,7 +12,6 @@ import os
 
 import ml_collections
 
-from mtpd_jax import workdir_lock
 from mtpd_jax.harness import training
 
 
@@ -35,18 +34,10 @@ def stage_configs(config: ml_collections.ConfigDict, workdir: str) -> list[tuple
 
 def run_looped(config: ml_collections.ConfigDict, workdir: str, *, progress: bool = True):
   """Train every stage in order; returns the last stage's (state, final metrics)."""
-  return run_stages(stage_configs(config, workdir), progress=progress)
+  return training.train_plan(stage_configs(config, workdir), progress=progress)
 
 
-def run_stages(stages: list[tuple[ml_collections.ConfigDict, str]], *, progress: bool = True):
-  """Train each (config, workdir) in order, resuming or skipping what is done: a looped run's stages,
-  or a sweep point's models (`experiment.training_plans`), some of which another point may be
-  training in another process (then this one waits for it). Returns the last (state, final metrics).
-  """
-  result = None
-  for config, workdir in stages:
-    if len(stages) > 1:
-      print(f'[looped] {config.mtp.num_heads} heads -> {workdir}', flush=True)
-    with workdir_lock.hold(workdir, wait=True):
-      result = training.train_and_evaluate(config, workdir, progress=progress)
-  return result
+def __getattr__(name: str):
+  if name == 'run_stages':  # renamed: it trains any plan of (config, workdir), not only a loop's stages
+    raise AttributeError('looped.run_stages is now training.train_plan')
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 from flax import nnx, traverse_util
 
-from mtpd_jax import checkpoint, head_vocab, sharding, train
+from mtpd_jax import checkpoint, head_vocab, sharding, train, workdir_lock
 from mtpd_jax.harness import gguf_llama, recipe, regenerate, trunk_cache, validation
 from mtpd_jax.model import MTPTransformer
 
@@ -75,6 +75,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
   Returns (state, held-out metrics); see `train.fit`.
   """
   return train.fit(train_spec(config, progress=progress), workdir, progress=progress)
+
+
+def train_plan(plan: list[tuple[ml_collections.ConfigDict, str]], *, progress: bool = True):
+  """Train each (config, workdir) of a plan in order, resuming or skipping what is done: a looped
+  run's stages, or a sweep point's models (`experiment.training_plans`), some of which another
+  point may be training in another process (then this one waits for it). Returns the last
+  (state, final metrics).
+  """
+  result = None
+  for config, workdir in plan:
+    if len(plan) > 1:
+      print(f'[looped] {config.mtp.num_heads} heads -> {workdir}', flush=True)
+    with workdir_lock.hold(workdir, wait=True):
+      result = train_and_evaluate(config, workdir, progress=progress)
+  return result
 
 
 # ---------------------------------------------------------------------------------------------
