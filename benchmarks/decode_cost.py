@@ -31,7 +31,7 @@ from absl import flags
 from flax import nnx
 
 from benchmarks import common
-from mtpd_jax import decode
+from mtpd_jax import decode, drafting
 from mtpd_jax.harness import evaluate, gguf_llama
 from mtpd_jax.model import ModelConfig, MTPTransformer, cache_mask, init_cache
 
@@ -77,7 +77,7 @@ def read_rounds(model: MTPTransformer, prompts, nbytes: int, args) -> tuple[list
   rate of these shared machines drifts (29-48 GB/s between runs), so both must see the same state."""
   buf = jnp.ones(nbytes // 4, jnp.float32)
   total = jax.jit(jnp.sum)
-  plain = {'j0': decode.DecodeOptions(args.max_new_tokens, 0)}
+  plain = {'j0': decode.options(args.max_new_tokens)}
   rates, ratios = [], []
   for _ in range(max(args.repeats, 1)):
     read_s = _best_ms(total, buf) / 1e3
@@ -106,7 +106,7 @@ def parts_ms(model: MTPTransformer, b: int, j: int, s: int, vocab_size: int, rep
   @jax.jit
   def logits(leaves, h_BxTxD, cols):
     model = structure.merge(leaves)
-    return model.logits(h_BxTxD, None if cols is None else decode.draft_vocab(model, cols).w)
+    return model.logits(h_BxTxD, None if cols is None else drafting.draft_vocab(model, cols).w)
 
   out = {'verify_trunk': _best_ms(verify_trunk, leaves, caches, repeats=repeats),
          'verify_logits': _best_ms(logits, leaves, jnp.ones((b, j + 1, cfg.dim)), None, repeats=repeats)}
@@ -152,16 +152,14 @@ def main(args: types.SimpleNamespace) -> dict:
   rng = np.random.default_rng(0)
   for b in map(int, args.batch_sizes.split(',')):
     prompts = [rng.integers(1, cfg.vocab_size, args.prompt_len) for _ in range(b)]
-    settings = {f'j{j}': decode.DecodeOptions(args.max_new_tokens, j) for j in depths}
-    vocabs = {}
+    settings = {f'j{j}': decode.options(args.max_new_tokens, draft_depth=j) for j in depths}
     if args.draft_vocab and 4 in depths:
-      settings['j4_draft_vocab'] = decode.DecodeOptions(args.max_new_tokens, 4)
-      vocabs['j4_draft_vocab'] = np.arange(args.draft_vocab, dtype=np.int32)
+      settings['j4_draft_vocab'] = decode.options(args.max_new_tokens, draft_depth=4,
+                                                  draft_vocab=np.arange(args.draft_vocab))
     # The same settings with x @ W (`_standard`), alternating with the default layout's.
     standard = {f'{name}_standard': opts for name, opts in settings.items()} if args.standard_layout else {}
-    vocabs.update({f'{name}_standard': ids for name, ids in vocabs.items() if standard})
     seconds = evaluate.step_seconds(model, prompts, {**settings, **standard}, pad_multiple=16,
-                                    num_steps=args.steps, repeats=args.repeats, draft_vocabs=vocabs,
+                                    num_steps=args.steps, repeats=args.repeats,
                                     out_major=dict.fromkeys(standard, False))
     p = -(-args.prompt_len // 16) * 16
     if 'read_gb_per_s' not in results:  # measured beside the first batch size's plain step
@@ -171,9 +169,9 @@ def main(args: types.SimpleNamespace) -> dict:
                      plain_over_bound=float(np.median(ratios)))
     row = {}
     for name, opts in settings.items():
-      j = opts.draft_depth
+      j = opts.draft.depth
       s = decode.cache_len(p, opts)
-      dv = args.draft_vocab if name in vocabs else 0
+      dv = len(opts.draft.vocab)
       parts = parts_ms(model, b, j, s, dv or cfg.vocab_size, args.repeats)
       step_ms = 1e3 * seconds[name]
       parts['rest'] = step_ms - parts['verify_trunk'] - parts['verify_logits'] - j * (

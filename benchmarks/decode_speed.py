@@ -195,8 +195,8 @@ def hf_side_by_side(model: MTPTransformer, path: str, sets: dict, b1: dict, *, s
   hf = hf_generate.timed_generate(path, everything, max_new_tokens=args.max_new_tokens, stop_tokens=stop,
                                   repeats=args.repeats, lookup_tokens=args.lookup_tokens)
   structure, leaves = decode.split(model)
-  ours = [decode.generate_split(structure, leaves, [p], max_new_tokens=args.max_new_tokens, stop_tokens=stop,
-                                pad_multiple=pad_multiple).tokens[0] for p in everything]
+  plain = decode.options(args.max_new_tokens, stop_tokens=stop)
+  ours = [decode.generate_split(structure, leaves, [p], plain, pad_multiple=pad_multiple).tokens[0] for p in everything]
   plain_tokens, plain_s, spec_tokens, spec_s, i = 0, 0.0, 0, 0.0, 0
   for name, ps in sets.items():  # seconds of each set's timed runs, recovered from its tokens/s
     n, r = sum(map(len, ours[i:i + len(ps)])), b1[name]
@@ -390,10 +390,10 @@ def main(args: types.SimpleNamespace) -> dict:
           key += '_tree'
         else:
           chains.setdefault(chain, {})[p] = key
-        r = evaluate.evaluate_prompt_set(model, prompts, draft_depth=depth, max_new_tokens=args.max_new_tokens,
-                                         batch_size=b, stop_tokens=stop, pad_multiple=pad, repeats=args.repeats,
-                                         timing_steps=args.timing_steps, timing_repeats=args.timing_repeats,
-                                         draft_vocab=vocab, draft_min_prob=p, tree=tree)
+        opts = decode.options(args.max_new_tokens, draft_depth=depth, tree=tree, draft_min_prob=p, draft_vocab=vocab,
+                              stop_tokens=stop)
+        r = evaluate.evaluate_prompt_set(model, prompts, opts, batch_size=b, pad_multiple=pad, repeats=args.repeats,
+                                         timing_steps=args.timing_steps, timing_repeats=args.timing_repeats)
         r['speedup_measured_over_analytic'] = r['speedup_measured'] / r['speedup_analytic']
         if b == 1:  # where the time goes: per step of the timed runs, prefill and calls included
           plain_s, spec_s = (r['new_tokens'] / r[f'{m}_tokens_per_s'] for m in ('plain', 'spec'))

@@ -21,5 +21,5 @@ that works over any leading axes names only the trailing ones it reads (`probs(l
   K  MTP heads (K1: the main head and the K heads)     Y  groups of consecutive rows (loss chunks,
   L  layers                                               MoE routing groups)
   M  ensemble members (the ensemble-mean teacher)      Z  bootstrap resamples
-  O  nodes of a draft tree (draft_tree.py)
+  O  nodes of a draft tree (drafting.py)
 """

@@ -4,7 +4,9 @@ Dimension letters: the legend in mtpd_jax/__init__.py.
 
 Per sequence, `length` tokens are committed; the last one, at the *pending* position L = length-1,
 is chosen but not yet run through the trunk, whose cache holds positions < L. Every call runs in
-one jit per (batch shape, `DecodeOptions`); `generate` loops steps in a `lax.while_loop`.
+one jit per (batch shape, `DecodeOptions`); `generate` loops steps in a `lax.while_loop`. How a
+speculative step drafts (chain, tree, adaptive depth, draft vocabulary) is the options'
+`drafting.DraftPlan`; this file keeps the loop: state, commit, prefill, step, the jit wrappers.
 
 Plain step: trunk(token L) -> main logits at L -> the next token is committed at L+1.
 
@@ -32,14 +34,14 @@ L-1 on (committed tokens, d_1..d_{j-1}), whatever was accepted or rolled back be
 model's own greedy output the online acceptances thus equal the teacher-forced agreement chains.
 The price is 2J positions per head call instead of one (same number of sequential calls).
 
-Adaptive depth (`draft_min_prob` > 0; docs/design.md, "Decoding cost"): a sequence proposes the
-leading drafts whose head put at least `draft_min_prob` on its most likely token, a choice made
+Adaptive depth (`DraftPlan.min_prob` > 0; docs/design.md, "Decoding cost"): a sequence proposes
+the leading drafts whose head put at least `min_prob` on its most likely token, a choice made
 before any draw, so sampling stays lossless; verification rejects the rest (sampled: with q = 0),
 and the logits of a depth where no sequence of the batch still drafts are skipped.
 
-Tree drafts (`tree`; mtpd_jax/draft_tree.py): each path is a batch row holding a chain as above,
-whose depth j runs once per node of depth j-1; one tree attention pass verifies the distinct
-nodes, and every row adopts the path that `draft_tree.accept` commits.
+Tree drafts (`DraftPlan.tree`; mtpd_jax/drafting.py): each path is a batch row holding a chain as
+above, whose depth j runs once per node of depth j-1; one tree attention pass verifies the distinct
+nodes, and every row adopts the path that `drafting.accept` commits.
 
 Slots past a sequence's own window may hold stale drafts or prompt padding (ragged batches run
 on padded prompts at per-sequence positions); they are never visible, because every call writes
@@ -55,27 +57,40 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtpd_jax import draft_tree, sampling
+from mtpd_jax import drafting, sampling
+from mtpd_jax.drafting import DraftPlan
 from mtpd_jax.model import (Cache, ModelConfig, MTPTransformer, attention_mask, cache_mask, init_cache,
                             out_major_params, set_out_major)
-from mtpd_jax.shifts import shift_left
+from mtpd_jax.shifts import gather_at, shift_left, write_at
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
   """Static decoding settings; one compilation per distinct value (and batch shape)."""
   max_new_tokens: int
-  draft_depth: int = 0            # J drafts per step; 0 = plain decoding
   temperature: float = 0.0        # 0 = greedy
   top_p: float = 1.0
   stop_tokens: tuple[int, ...] = ()
-  draft_min_prob: float = 0.0     # adaptive depth: stop drafting below this top probability (0 = always J)
-  tree: tuple[int, ...] = ()      # tree drafts: branching per depth (mtpd_jax/draft_tree.py); () = a chain
+  draft: DraftPlan = DraftPlan()  # how a speculative step drafts; DraftPlan() = plain decoding
 
   def __post_init__(self):
-    if not 0.0 <= self.draft_min_prob <= 1.0:
-      raise ValueError(f'draft_min_prob={self.draft_min_prob} must lie in [0, 1]')
-    draft_tree.check(self.tree, self.draft_depth)
+    if self.max_new_tokens < 1:
+      raise ValueError(f'max_new_tokens={self.max_new_tokens} must be >= 1')
+    object.__setattr__(self, 'temperature', float(self.temperature))
+    object.__setattr__(self, 'top_p', float(self.top_p))
+    object.__setattr__(self, 'stop_tokens', tuple(int(t) for t in self.stop_tokens))
+
+  def plain(self) -> 'DecodeOptions':
+    """The same decoding without speculation: what a speculative run is measured against."""
+    return dataclasses.replace(self, draft=DraftPlan())
+
+
+def options(max_new_tokens: int, *, draft_depth: int = 0, tree=(), draft_min_prob: float = 0.0, draft_vocab=None,
+            temperature: float = 0.0, top_p: float = 1.0, stop_tokens=()) -> DecodeOptions:
+  """`DecodeOptions` from the flat keywords that `generate` takes (draft_vocab: token ids or None)."""
+  plan = DraftPlan(draft_depth, tuple(tree), draft_min_prob,
+                   () if draft_vocab is None or not draft_depth else drafting.vocab_ids(draft_vocab))
+  return DecodeOptions(max_new_tokens, temperature, top_p, tuple(stop_tokens), plan)
 
 
 class DecodeState(NamedTuple):
@@ -95,41 +110,9 @@ class DecodeState(NamedTuple):
   num_drafts_B: jax.Array | None = None        # adaptive depth only: drafts proposed for the next verify
 
 
-class DraftVocab(NamedTuple):
-  """A draft vocabulary: drafts are chosen among U token ids only. Verification uses the main head
-  over the whole vocabulary, so decoding stays lossless: a sampled draft's q is a proper
-  distribution over the U ids, zero elsewhere, which min(1, p/q) accepts exactly (docs/design.md)."""
-  ids_U: jax.Array    # int32 token ids
-  w: jax.Array        # their entries of the model's `output_matrix()` (D x U, or U x D out-major)
-
-
-def draft_vocab(model: MTPTransformer, ids_U) -> DraftVocab:
-  """The draft vocabulary of these token ids (gathered once, outside the decoding loop)."""
-  ids_U = jnp.asarray(ids_U, jnp.int32)
-  return DraftVocab(ids_U, jnp.take(model.output_matrix(), ids_U, axis=0 if model.out_major else 1))
-
-
-def head_for_depth(j: int, num_heads: int) -> int:
-  """The MTP head (1-based) that drafts at depth j: ((j-1) mod K)+1."""
-  return (j - 1) % num_heads + 1
-
-
 def cache_len(prompt_len: int, opts: DecodeOptions) -> int:
   """Cache slots: the padded prompt, max_new_tokens and one verify call's tokens (chain or tree)."""
-  return prompt_len + opts.max_new_tokens + (draft_tree.num_nodes(opts.tree) if opts.tree else opts.draft_depth + 1)
-
-
-def _gather(x_BxS, pos_BxW):
-  """x[b, pos[b, w]] along axis 1 (positions past the end clip to it; only unused slots go there)."""
-  idx = jnp.clip(pos_BxW, 0, x_BxS.shape[1] - 1).reshape(pos_BxW.shape + (1,) * (x_BxS.ndim - 2))
-  return jnp.take_along_axis(x_BxS, idx, axis=1)
-
-
-def _write(x_BxS, pos_BxW, val_BxW, keep_BxW=None):
-  """x[b, pos[b, w]] = val[b, w] where `keep`; other and out-of-range writes are dropped."""
-  if keep_BxW is not None:
-    pos_BxW = jnp.where(keep_BxW, pos_BxW, x_BxS.shape[1])
-  return x_BxS.at[jnp.arange(x_BxS.shape[0])[:, None], pos_BxW].set(val_BxW, mode='drop')
+  return prompt_len + opts.max_new_tokens + opts.draft.verified
 
 
 def _commit(st: DecodeState, emit_BxJ1, n_B, opts: DecodeOptions):
@@ -142,22 +125,31 @@ def _commit(st: DecodeState, emit_BxJ1, n_B, opts: DecodeOptions):
     stopped_B = jnp.any(stop_BxJ1, axis=1)
     n_B = jnp.where(stopped_B, jnp.argmax(stop_BxJ1, axis=1) + 1, n_B)
   n_B = jnp.where(st.done_B, 0, n_B)
-  tokens_BxS = _write(st.tokens_BxS, st.length_B[:, None] + idx_J1, emit_BxJ1, idx_J1 < n_B[:, None])
+  tokens_BxS = write_at(st.tokens_BxS, st.length_B[:, None] + idx_J1, emit_BxJ1, idx_J1 < n_B[:, None])
   length_B = st.length_B + n_B
   done_B = st.done_B | stopped_B | (length_B - st.prompt_len_B >= opts.max_new_tokens)
   return st._replace(tokens_BxS=tokens_BxS, length_B=length_B, done_B=done_B)
 
 
+def _draft(model: MTPTransformer, st: DecodeState, start_B, width: int, key, opts: DecodeOptions, vocab):
+  """`drafting.draft` of the state: the drafts after its pending token, and the head caches."""
+  tokens_BxS, head_caches, draft_logits_BxJxV, num_drafts_B = drafting.draft(
+      model, opts.draft, st.tokens_BxS, st.length_B, st.h0_BxSxD, st.head_caches, start_B, width, key, vocab,
+      opts.temperature, opts.top_p)
+  return st._replace(tokens_BxS=tokens_BxS, head_caches=head_caches, draft_logits_BxJxV=draft_logits_BxJxV,
+                     num_drafts_B=num_drafts_B)
+
+
 def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOptions,
-            vocab: DraftVocab | None = None) -> DecodeState:
+            vocab: drafting.DraftVocab | None = None) -> DecodeState:
   """Run the (right-padded) prompts, choose the first new token and, if speculative, the first drafts."""
-  cfg = model.cfg
+  cfg, plan = model.cfg, opts.draft
   b, p = prompt_BxP.shape
   s = cache_len(p, opts)
   pos_BxP = jnp.broadcast_to(jnp.arange(p), (b, p))
   h_BxPxD, caches = model.trunk(prompt_BxP, pos_BxP, cache_mask(pos_BxP, s),
                                 init_cache(cfg, b, s, cfg.num_layers))
-  logits_BxV = model.logits(_gather(h_BxPxD, prompt_len_B[:, None] - 1))[:, 0]
+  logits_BxV = model.logits(gather_at(h_BxPxD, prompt_len_B[:, None] - 1))[:, 0]
   key, key_first, key_draft = jax.random.split(key, 3)
   first_B = sampling.choose(key_first, logits_BxV, opts.temperature, opts.top_p)
   st = DecodeState(
@@ -165,103 +157,36 @@ def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOp
       prompt_len_B=prompt_len_B, done_B=jnp.zeros((b,), bool), step=jnp.zeros((), jnp.int32),
       key=key, caches=caches, logits_BxV=logits_BxV)
   st = _commit(st, first_B[:, None], jnp.ones_like(prompt_len_B), opts)
-  if not opts.draft_depth:
+  if not plan.depth:
     return st
   if not cfg.num_mtp_heads:
     raise ValueError('speculative decoding needs a model with MTP heads (num_mtp_heads >= 1)')
   st = st._replace(
       accept_BxI=jnp.full((b, opts.max_new_tokens), -1, jnp.int32),
       h0_BxSxD=jnp.zeros((b, s, cfg.dim), h_BxPxD.dtype).at[:, :p].set(h_BxPxD))
-  if opts.tree:  # one row per path of the tree; the trunk caches stay one per sequence
-    st = draft_tree.tile(st._replace(caches=None), draft_tree.num_paths(opts.tree), b)._replace(caches=st.caches)
+  if plan.tree:  # one row per path of the tree; the trunk caches stay one per sequence
+    st = drafting.tile(st._replace(caches=None), plan.paths, b)._replace(caches=st.caches)
   st = st._replace(head_caches=[init_cache(cfg, b * n, s, num_layers=1)[0]  # a tree: one row per node of depth j-1
-                                for n in draft_tree.level_sizes(opts.tree or (1,) * opts.draft_depth)[:-1]])
+                                for n in drafting.level_sizes(plan.tree or (1,) * plan.depth)[:-1]])
   return _draft(model, st, jnp.zeros_like(st.length_B), p, key_draft, opts, vocab)
 
 
-def _draft(model: MTPTransformer, st: DecodeState, start_B, width: int, key, opts: DecodeOptions,
-           vocab: DraftVocab | None):
-  """Re-run depths 1..J over positions [start, start+width) and draft tokens L+1..L+J (see module doc)."""
-  s = st.tokens_BxS.shape[1]
-  pos_BxW = start_B[:, None] + jnp.arange(width)
-  mask_BxWxS = cache_mask(pos_BxW, s)
-  pending_B = st.length_B - 1
-  last_Bx1 = (pending_B - 1 - start_B)[:, None]  # window index of the last trunk position L-1
-  h_BxWxD, tokens_BxS = _gather(st.h0_BxSxD, pos_BxW), st.tokens_BxS
-  head_caches, draft_logits = [], []
-  drafting_B, num_drafts_B = jnp.ones(pending_B.shape, bool), jnp.zeros_like(pending_B)  # adaptive depth
-  for j, key_j in zip(range(1, opts.draft_depth + 1), jax.random.split(key, opts.draft_depth)):
-    rows = draft_tree.depth_rows(opts.tree, len(pending_B), j) if opts.tree else None
-    group = (lambda x: x) if rows is None else (lambda x: x[rows.group_G])
-    if rows is not None:  # a tree runs depth j once per node of depth j-1, on its first path's row
-      h_BxWxD = group(h_BxWxD) if j == 1 else jnp.repeat(h_BxWxD, opts.tree[j - 2], axis=0)  # parent's states
-    # Depth j at window position i reads h^{j-1}_i and token i+j, and predicts token i+j+1.
-    h_BxWxD, cache = model.mtp_head(head_for_depth(j, model.cfg.num_mtp_heads), h_BxWxD,
-                                    group(_gather(tokens_BxS, pos_BxW + j)), group(pos_BxW), group(mask_BxWxS),
-                                    st.head_caches[j - 1])
-    h_Bx1xD = _gather(h_BxWxD, group(last_Bx1))
-    choose = functools.partial(_choose_draft, model, vocab, opts, key_j, rows)
-    if opts.draft_min_prob and j > 1:  # skip the logits once no sequence drafts this deep
-      skip = lambda _: (jnp.zeros(pending_B.shape, jnp.int32), jnp.zeros(pending_B.shape + (model.cfg.vocab_size,)))
-      draft_B, logits_BxV = jax.lax.cond(jnp.any(drafting_B), choose, skip, h_Bx1xD)
-    else:
-      draft_B, logits_BxV = choose(h_Bx1xD)
-    if opts.draft_min_prob:
-      drafting_B &= draft_confidence(logits_BxV, draft_B, opts) >= opts.draft_min_prob
-      num_drafts_B += drafting_B
-    tokens_BxS = _write(tokens_BxS, (pending_B + j)[:, None], draft_B[:, None])
-    head_caches.append(cache)
-    draft_logits.append(logits_BxV)
-  # Greedy verification reads no draft probabilities; only sampling carries them to the next step.
-  return st._replace(tokens_BxS=tokens_BxS, head_caches=head_caches,
-                     draft_logits_BxJxV=jnp.stack(draft_logits, axis=1) if opts.temperature else None,
-                     num_drafts_B=num_drafts_B if opts.draft_min_prob else None)
-
-
-def draft_confidence(logits_BxV, draft_B, opts: DecodeOptions):
-  """What adaptive depth compares with `draft_min_prob`: the top probability of the distribution
-  drafts are drawn from (greedy: the draft's own). `draft_B` is deliberately unused: a rule that
-  read the drawn draft's probability would make proposing depend on the draw, and sampled output
-  would no longer follow plain sampling (the decoding tests catch that rule)."""
-  del draft_B
-  return jnp.max(sampling.probs(logits_BxV, opts.temperature or 1.0, opts.top_p), axis=-1)
-
-
-def _choose_draft(model: MTPTransformer, vocab: DraftVocab | None, opts: DecodeOptions, key,
-                  rows: draft_tree.DepthRows | None, h_Bx1xD):
-  """Each row's draft at this depth and its logits over V (-inf outside a draft vocabulary). A
-  tree (`rows`): h holds one row per parent node, which drafts its b_j children (greedy: ranks
-  0..b_j-1; sampling: independent draws), and each path's row takes its node's draft and its
-  parent's logits."""
-  logits_BxU = model.logits(h_Bx1xD, None if vocab is None else vocab.w)[:, 0]
-  width = 1 if rows is None else rows.width
-  draft_BxW = None
-  if not opts.temperature:  # greedy needs only the argmax (or the top b_j) among the U columns
-    draft_BxW = jnp.argmax(logits_BxU, axis=-1)[:, None] if rows is None else jax.lax.top_k(logits_BxU, width)[1]
-    draft_BxW = draft_BxW if vocab is None else vocab.ids_U[draft_BxW]
-  logits_BxV = logits_BxU if vocab is None else jnp.full(  # sampling reads q over V: 0 outside the vocabulary
-      logits_BxU.shape[:1] + (model.cfg.vocab_size,), -jnp.inf, logits_BxU.dtype).at[:, vocab.ids_U].set(logits_BxU)
-  if draft_BxW is None:
-    draft_BxW = sampling.choose(key, jnp.repeat(logits_BxV, width, axis=0), opts.temperature, opts.top_p)
-  draft_B = draft_BxW.reshape(-1).astype(jnp.int32)
-  return (draft_B, logits_BxV) if rows is None else (draft_B[rows.node_R], logits_BxV[rows.parent_R])
-
-
 def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
-         vocab: DraftVocab | None = None) -> DecodeState:
-  """One plain decoding step, or one speculative verify + draft step when opts.draft_depth > 0."""
-  j, s = opts.draft_depth, st.tokens_BxS.shape[1]
+         vocab: drafting.DraftVocab | None = None) -> DecodeState:
+  """One plain decoding step, or one speculative verify + draft step when the plan drafts."""
+  plan = opts.draft
+  j, s = plan.depth, st.tokens_BxS.shape[1]
   pos_BxJ1 = (st.length_B - 1)[:, None] + jnp.arange(j + 1)  # the pending token, then the drafts
   key, key_verify, key_draft = jax.random.split(st.key, 3)
-  if opts.tree:  # one tree pass gives each row (path) its chain's view; all adopt the path committed
-    tokens_BxJ1, h_BxJ1xD, logits_BxJ1xV, caches = draft_tree.verify_pass(model, st.tokens_BxS, st.length_B,
-                                                                           st.caches, opts.tree)
-    src_B, accepted_B, next_B = draft_tree.accept(key_verify, tokens_BxJ1, st.draft_logits_BxJxV, logits_BxJ1xV,
-                                                  opts.tree, opts.temperature, opts.top_p, st.num_drafts_B)
+  if plan.tree:  # one tree pass gives each row (path) its chain's view; all adopt the path committed
+    tokens_BxJ1, h_BxJ1xD, logits_BxJ1xV, caches = drafting.verify_pass(model, st.tokens_BxS, st.length_B,
+                                                                         st.caches, plan.tree)
+    src_B, accepted_B, next_B = drafting.accept(key_verify, tokens_BxJ1, st.draft_logits_BxJxV, logits_BxJ1xV,
+                                                plan.tree, opts.temperature, opts.top_p, st.num_drafts_B)
     tokens_BxJ1, logits_BxJ1xV, h_BxJ1xD = (x[src_B] for x in (tokens_BxJ1, logits_BxJ1xV, h_BxJ1xD))
-    caches = draft_tree.keep_path(caches, st.length_B, src_B, opts.tree)
+    caches = drafting.keep_path(caches, st.length_B, src_B, plan.tree)
   else:
-    tokens_BxJ1 = _gather(st.tokens_BxS, pos_BxJ1)
+    tokens_BxJ1 = gather_at(st.tokens_BxS, pos_BxJ1)
     h_BxJ1xD, caches = model.trunk(tokens_BxJ1, pos_BxJ1, cache_mask(pos_BxJ1, s), st.caches)
     logits_BxJ1xV = model.logits(h_BxJ1xD)
     if j:
@@ -282,7 +207,7 @@ def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
   if not j:
     return new
   new = new._replace(
-      h0_BxSxD=_write(st.h0_BxSxD, pos_BxJ1, h_BxJ1xD),
+      h0_BxSxD=write_at(st.h0_BxSxD, pos_BxJ1, h_BxJ1xD),
       accept_BxI=st.accept_BxI.at[:, st.step].set(jnp.where(st.done_B, -1, accepted_B), mode='drop'))
   return _draft(model, new, jnp.maximum(new.length_B - 1 - 2 * j, 0), 2 * j, key_draft, opts, vocab)
 
@@ -332,37 +257,35 @@ def decoding_model(structure: Structure, leaves) -> MTPTransformer:
                           for x in leaves])
 
 
-def _vocab(model: MTPTransformer, draft_ids_U) -> DraftVocab | None:
-  return None if draft_ids_U is None else draft_vocab(model, draft_ids_U)
+def _vocab(model: MTPTransformer, opts: DecodeOptions) -> drafting.DraftVocab | None:
+  """The plan's draft vocabulary, its unembedding columns gathered once, before any step."""
+  return drafting.draft_vocab(model, opts.draft.vocab) if opts.draft.vocab else None
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'opts'))
-def jit_prefill(structure: Structure, leaves, prompt_BxP, prompt_len_B, key,
-                opts: DecodeOptions, draft_ids_U=None) -> DecodeState:
+def jit_prefill(structure: Structure, leaves, prompt_BxP, prompt_len_B, key, opts: DecodeOptions) -> DecodeState:
   """`prefill` under jit."""
   model = decoding_model(structure, leaves)
-  return prefill(model, prompt_BxP, prompt_len_B, key, opts, _vocab(model, draft_ids_U))
+  return prefill(model, prompt_BxP, prompt_len_B, key, opts, _vocab(model, opts))
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'opts'))
-def jit_steps(structure: Structure, leaves, st: DecodeState, opts: DecodeOptions, num_steps,
-              draft_ids_U=None) -> DecodeState:
+def jit_steps(structure: Structure, leaves, st: DecodeState, opts: DecodeOptions, num_steps) -> DecodeState:
   """Exactly `num_steps` steps (finished sequences ride along; one compilation for any count)."""
   model = decoding_model(structure, leaves)
-  vocab = _vocab(model, draft_ids_U)
+  vocab = _vocab(model, opts)
   return jax.lax.fori_loop(0, num_steps, lambda _, s: step(model, s, opts, vocab), st)
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'opts'))
-def jit_generate(structure: Structure, leaves, prompt_BxP, prompt_len_B, key, opts: DecodeOptions,
-                 draft_ids_U=None):
+def jit_generate(structure: Structure, leaves, prompt_BxP, prompt_len_B, key, opts: DecodeOptions):
   """Prefill, then steps until every sequence is done: (tokens_BxS, length_B, accept_BxI or None)."""
   model = decoding_model(structure, leaves)
-  vocab = _vocab(model, draft_ids_U)
+  vocab = _vocab(model, opts)
   st = prefill(model, prompt_BxP, prompt_len_B, key, opts, vocab)
   st = jax.lax.while_loop(lambda s: (s.step < opts.max_new_tokens) & ~jnp.all(s.done_B),
                           lambda s: step(model, s, opts, vocab), st)
-  first = slice(None, None, draft_tree.num_paths(opts.tree))  # a tree's rows of a sequence agree: keep one
+  first = slice(None, None, opts.draft.paths)  # a tree's rows of a sequence agree: keep one
   return st.tokens_BxS[first], st.length_B[first], None if st.accept_BxI is None else st.accept_BxI[first]
 
 
@@ -378,47 +301,30 @@ def pad_prompts(prompts, multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
   return prompt_BxP, lens_B
 
 
-def check_draft_vocab(ids, structure: Structure) -> np.ndarray:
-  """Draft vocabulary ids as int32, each in [0, V) and distinct; anything else raises ValueError."""
-  ids = np.asarray(ids)
-  v = structure.cfg.vocab_size
-  if ids.ndim != 1 or not len(ids) or not np.issubdtype(ids.dtype, np.integer):
-    raise ValueError(f'a draft vocabulary is a non-empty 1-D array of token ids, got shape {ids.shape} {ids.dtype}')
-  if ids.min() < 0 or ids.max() >= v or len(np.unique(ids)) != len(ids):
-    raise ValueError(f'draft vocabulary ids must be distinct and in [0, {v})')
-  return ids.astype(np.int32)
-
-
 class Generation(NamedTuple):
   """What `generate` returns, per prompt."""
   tokens: list[np.ndarray]          # new tokens of each prompt (a final stop token included)
   accept_lengths: list[np.ndarray]  # accepted drafts at each speculative step; empty when plain
 
 
-def generate(model: MTPTransformer, prompts, **kwargs) -> Generation:
+def generate(model: MTPTransformer, prompts, *, seed: int = 0, pad_multiple: int = 16, **kwargs) -> Generation:
   """Decode a batch of token-id prompts: plain when draft_depth == 0, else self-speculative.
 
-  Keyword arguments (see `generate_split`): the fields of `DecodeOptions` (draft_depth above K
-  loops the heads), seed, pad_multiple, and draft_vocab (token ids that drafts are chosen from,
-  e.g. `frequent_tokens`; None = the whole vocabulary).
+  Keyword arguments: those of `options` (draft_depth above K loops the heads; draft_vocab: token
+  ids that drafts are chosen from, e.g. `frequent_tokens`, None = the whole vocabulary), seed and
+  pad_multiple. A caller that holds `DecodeOptions` (and decodes one model many times) calls
+  `generate_split` instead.
   """
-  return generate_split(*split(model), prompts, **kwargs)
+  return generate_split(*split(model), prompts, options(**kwargs), seed=seed, pad_multiple=pad_multiple)
 
 
-def generate_split(structure: Structure, leaves, prompts, *, max_new_tokens: int, draft_depth: int = 0,
-                   temperature: float = 0.0, top_p: float = 1.0, stop_tokens=(), seed: int = 0,
-                   pad_multiple: int = 16, draft_vocab=None, draft_min_prob: float = 0.0,
-                   tree=()) -> Generation:
-  """`generate` for a model split once by `split(model)` (saves the split on every call)."""
-  if max_new_tokens < 1:
-    raise ValueError(f'max_new_tokens={max_new_tokens} must be >= 1')
-  draft_ids_U = None if draft_vocab is None or not draft_depth else check_draft_vocab(draft_vocab, structure)
-  opts = DecodeOptions(max_new_tokens, draft_depth, float(temperature), float(top_p),
-                       tuple(int(t) for t in stop_tokens), float(draft_min_prob) if draft_depth else 0.0,
-                       tuple(int(b) for b in tree))
+def generate_split(structure: Structure, leaves, prompts, opts: DecodeOptions, *, seed: int = 0,
+                   pad_multiple: int = 16) -> Generation:
+  """`generate` for a model split once by `split(model)`, decoding as `opts` says."""
+  opts.draft.check_vocab(structure.cfg.vocab_size)
   prompt_BxP, lens_B = pad_prompts(prompts, pad_multiple)
   tokens_BxS, length_B, accept_BxI = jax.device_get(
-      jit_generate(structure, leaves, prompt_BxP, lens_B, jax.random.key(seed), opts, draft_ids_U))
+      jit_generate(structure, leaves, prompt_BxP, lens_B, jax.random.key(seed), opts))
   tokens = [tokens_BxS[b, lens_B[b]:length_B[b]] for b in range(len(prompts))]
   accepts = [np.zeros((0,), np.int32) if accept_BxI is None else accept_BxI[b][accept_BxI[b] >= 0]
              for b in range(len(prompts))]
@@ -435,7 +341,7 @@ def looped_forward_split(structure: Structure, leaves, tokens_BxT, draft_depth: 
   h_BxTxD, _ = model.trunk(tokens_BxT, pos_BxT, mask_BxTxS)
   logits_BxTxV, draft_logits = model.logits(h_BxTxD), []
   for j in range(1, draft_depth + 1):
-    h_BxTxD, _ = model.mtp_head(head_for_depth(j, model.cfg.num_mtp_heads), h_BxTxD,
+    h_BxTxD, _ = model.mtp_head(drafting.head_for_depth(j, model.cfg.num_mtp_heads), h_BxTxD,
                                 shift_left(tokens_BxT, j), pos_BxT, mask_BxTxS)
     draft_logits.append(model.logits(h_BxTxD))
   empty_0xBxTxV = jnp.zeros((0,) + logits_BxTxV.shape, logits_BxTxV.dtype)

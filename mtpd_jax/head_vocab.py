@@ -1,6 +1,6 @@
 """MTP heads trained over a head vocabulary: U token ids, the most frequent of the training text.
 
-Decoding drafts only among a draft vocabulary's ids (decode.DraftVocab), so a head needs no more
+Decoding drafts only among a draft vocabulary's ids (drafting.DraftVocab), so a head needs no more
 output than those U columns of the shared unembedding: head k's logits are final_norm(h^k) @
 W[:, ids_U], and its cross-entropy and distillation are taken over U (docs/design.md, "Head
 vocabulary"). The main head keeps all of V: it verifies, so decoding stays lossless.

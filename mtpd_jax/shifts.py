@@ -1,7 +1,9 @@
-"""Aligning position i with position i ± k along the sequence axis (axis 1).
+"""Aligning position i with position i ± k along the sequence axis (axis 1), and reading or writing
+each sequence at its own positions.
 
 Head k at position i predicts token i+k+1, the main head's target at i+k (Fig. 1), so the loss,
-the model's head inputs and the decoder all read arrays k positions on or back.
+the model's head inputs and the decoder all read arrays k positions on or back; a decoding batch
+holds sequences of different lengths, so the decoder reads and writes each at its own positions.
 """
 
 from typing import Any
@@ -23,3 +25,16 @@ def shift_right(x_BxT, k: int, fill: Any = 0):
     return x_BxT
   pad = jnp.full((x_BxT.shape[0], k) + x_BxT.shape[2:], fill, x_BxT.dtype)
   return jnp.concatenate([pad, x_BxT[:, :-k]], axis=1)
+
+
+def gather_at(x_BxS, pos_BxW):
+  """x[b, pos[b, w]] along axis 1: each sequence read at its own positions (past the end: the last)."""
+  idx = jnp.clip(pos_BxW, 0, x_BxS.shape[1] - 1).reshape(pos_BxW.shape + (1,) * (x_BxS.ndim - 2))
+  return jnp.take_along_axis(x_BxS, idx, axis=1)
+
+
+def write_at(x_BxS, pos_BxW, val_BxW, keep_BxW=None):
+  """x[b, pos[b, w]] = val[b, w] where `keep`; other and out-of-range writes are dropped."""
+  if keep_BxW is not None:
+    pos_BxW = jnp.where(keep_BxW, pos_BxW, x_BxS.shape[1])
+  return x_BxS.at[jnp.arange(x_BxS.shape[0])[:, None], pos_BxW].set(val_BxW, mode='drop')

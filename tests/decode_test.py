@@ -12,7 +12,7 @@ import scipy.stats
 from flax import nnx
 
 from benchmarks import decode_speed
-from mtpd_jax import decode, draft_tree, metrics, sampling
+from mtpd_jax import decode, drafting, metrics, sampling
 from mtpd_jax.harness import evaluate
 from mtpd_jax.model import ModelConfig, MTPTransformer, cache_mask
 
@@ -91,7 +91,7 @@ def test_kv_cache_decoding_matches_full_recomputation(trained, depth):
   Every depth 1..K+1: the head caches' refresh window is 2J positions, and a window one short
   misses slots only at J = 1.
   """
-  opts = decode.DecodeOptions(max_new_tokens=12, draft_depth=depth, temperature=1.0 if depth else 0.0)
+  opts = decode.options(12, draft_depth=depth, temperature=1.0 if depth else 0.0)
   prompt_BxP, lens_B = decode.pad_prompts(_prompts(), 16)
   trace, accepts_BxI = _decode_trace(*decode.split(trained), prompt_BxP, lens_B, opts, 5)
   rows = np.arange(len(lens_B))
@@ -212,10 +212,9 @@ def test_draft_vocabulary_keeps_greedy_output_and_is_checked(models):
                              draft_vocab=ids)
       for want, got in zip(plain.tokens, spec.tokens):
         np.testing.assert_array_equal(got, want, err_msg=name)
-  structure, _ = decode.split(models['random'])
   for bad in ([], [0, 0], [-1], [CFG.vocab_size], [[1, 2]], [0.5]):
     with pytest.raises(ValueError, match='draft vocabulary'):
-      decode.check_draft_vocab(np.asarray(bad), structure)
+      decode.generate(models['random'], prompts, max_new_tokens=2, draft_depth=1, draft_vocab=np.asarray(bad))
 
 
 def _drafted_ids(structure, leaves, prompts, opts, num_steps=MAX_NEW):
@@ -226,7 +225,7 @@ def _drafted_ids(structure, leaves, prompts, opts, num_steps=MAX_NEW):
   for _ in range(num_steps):
     tokens_RxS, length_R, done_R = map(np.asarray, (st.tokens_BxS, st.length_B, st.done_B))
     for tokens_S, n, done in zip(tokens_RxS, length_R, done_R):
-      ids.update([] if done else tokens_S[n:n + opts.draft_depth].tolist())
+      ids.update([] if done else tokens_S[n:n + opts.draft.depth].tolist())
     st = decode.jit_steps(structure, leaves, st, opts, 1)
   return ids
 
@@ -239,12 +238,11 @@ def test_a_draft_vocabulary_holding_every_drafted_id_accepts_exactly_as_the_full
   no losslessness test can see."""
   structure, leaves = decode.split(trained)
   kwargs = dict(max_new_tokens=MAX_NEW, draft_depth=3 if not tree else len(tree), stop_tokens=STOP, tree=tree)
-  ids = _drafted_ids(structure, leaves, _prompts(), decode.DecodeOptions(
-      MAX_NEW, kwargs['draft_depth'], stop_tokens=STOP, tree=tree))
+  ids = _drafted_ids(structure, leaves, _prompts(), decode.options(**kwargs))
   assert 3 <= len(ids) < CFG.vocab_size, ids  # a real subset
   vocab = np.random.default_rng(0).permutation(sorted(ids))
-  full = decode.generate_split(structure, leaves, _prompts(), **kwargs)
-  sub = decode.generate_split(structure, leaves, _prompts(), draft_vocab=vocab, **kwargs)
+  full = decode.generate_split(structure, leaves, _prompts(), decode.options(**kwargs))
+  sub = decode.generate_split(structure, leaves, _prompts(), decode.options(draft_vocab=vocab, **kwargs))
   for want, got in zip(full.accept_lengths, sub.accept_lengths):
     np.testing.assert_array_equal(got, want)
   assert np.concatenate(full.accept_lengths).sum() > 10
@@ -257,7 +255,7 @@ def test_both_matrix_layouts_decode_the_same_greedy_tokens(trained):
   assert layouts[True][0] != layouts[False][0]
   assert decode.split(trained)[0].out_major == (jax.default_backend() == 'cpu')
   for kwargs in ({}, {'draft_depth': 3, 'draft_vocab': np.arange(8, 30), 'tree': (2, 1, 1)}):
-    outs = {om: decode.generate_split(*split, _prompts(), max_new_tokens=MAX_NEW, **kwargs)
+    outs = {om: decode.generate_split(*split, _prompts(), decode.options(MAX_NEW, **kwargs))
             for om, split in layouts.items()}
     for got, want in zip(outs[True].tokens, outs[False].tokens):
       np.testing.assert_array_equal(got, want, err_msg=str(kwargs))
@@ -310,7 +308,7 @@ def test_adaptive_depth_keeps_greedy_output_and_proposes_the_confident_prefix(mo
   # The count of proposed drafts: the leading depths whose top probability reaches the threshold.
   structure, leaves = decode.split(models['trained'])
   prompt_BxP, lens_B = decode.pad_prompts(prompts)
-  opts = decode.DecodeOptions(MAX_NEW, 3, temperature=1.0, draft_min_prob=0.6)
+  opts = decode.options(MAX_NEW, draft_depth=3, temperature=1.0, draft_min_prob=0.6)
   st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
                                                               jax.random.key(0), opts), opts, 2)
   top_BxJ = np.asarray(jnp.max(sampling.probs(st.draft_logits_BxJxV, 1.0), axis=-1))
@@ -339,7 +337,7 @@ def test_adaptive_depth_never_accepts_a_draft_it_did_not_propose(trained, temper
   structure, leaves = decode.split(trained)
   steps = {}
   for min_prob in (0.0, 0.6, 1.0):
-    opts = decode.DecodeOptions(MAX_NEW, 3, temperature=temperature, draft_min_prob=min_prob)
+    opts = decode.options(MAX_NEW, draft_depth=3, temperature=temperature, draft_min_prob=min_prob)
     if min_prob:
       proposed_BxI, accepted_BxI = map(np.asarray, _proposed_and_accepted(structure, leaves, prompt_BxP, lens_B,
                                                                            opts, 8))
@@ -356,8 +354,8 @@ def test_adaptive_depth_never_accepts_a_draft_it_did_not_propose(trained, temper
   assert (proposed < 3).any() and (accepted == proposed).any() and (accepted < proposed).any()
 
 
-def _drawn_draft_probability(logits_BxV, draft_B, opts):  # a broken rule: it reads the draw
-  p_BxV = sampling.probs(logits_BxV, opts.temperature or 1.0, opts.top_p)
+def _drawn_draft_probability(logits_BxV, draft_B, temperature, top_p):  # a broken rule: it reads the draw
+  p_BxV = sampling.probs(logits_BxV, temperature or 1.0, top_p)
   return jnp.take_along_axis(p_BxV, draft_B[:, None], axis=-1)[:, 0]
 
 
@@ -367,7 +365,7 @@ def test_speculative_sampling_with_adaptive_depth_is_lossless_and_catches_a_draw
   """Drafts past the confident prefix are not proposed: the token after them comes from p itself.
   Cutting on the drawn draft's own probability instead biases the output, and the test sees it."""
   model, prompt, law = sampling_setup
-  patch = (decode, 'draft_confidence', _drawn_draft_probability) if broken else None
+  patch = (drafting, 'draft_confidence', _drawn_draft_probability) if broken else None
   pvalue, impossible = _chi_square_with(monkeypatch, patch, model, prompt, law, draft_depth=2, seed=3,
                                         draft_min_prob=0.4)
   if broken:
@@ -386,7 +384,7 @@ def _no_residual(p_BxV, q_BxV):  # a broken rule: every sibling is tested agains
     ((2, 1), dict(draft_min_prob=0.4, draft_vocab=np.array([0, 2, 3, 5, 6])), False)])
 def test_sampled_tree_is_lossless_and_catches_siblings_tested_without_the_residual(
     sampling_setup, tree, kwargs, broken, monkeypatch):
-  """Recursive rejection sampling over siblings (`draft_tree.accept`) keeps plain sampling's law,
+  """Recursive rejection sampling over siblings (`drafting.accept`) keeps plain sampling's law,
   with adaptive depth and a draft vocabulary too; testing each sibling against the full p instead
   of the residual that its elder siblings' rejections leave biases the output, and the test sees it."""
   model, prompt, law = sampling_setup
@@ -404,13 +402,13 @@ def test_sampled_tree_rows_agree_on_shared_nodes_and_siblings_are_independent_dr
   siblings are independent draws from it: two of them agree as often as sum(q^2) says."""
   model, prompt, _ = sampling_setup
   tree, paths = (3, 2), 6
-  opts = decode.DecodeOptions(3, 2, temperature=TEMPERATURE, top_p=TOP_P, tree=tree)
+  opts = decode.options(3, draft_depth=2, temperature=TEMPERATURE, top_p=TOP_P, tree=tree)
   structure, leaves = decode.split(model)
   st = decode.jit_prefill(structure, leaves, *decode.pad_prompts([prompt] * 2048), jax.random.key(5), opts)
   pending = len(prompt)
   drafts_BxPxJ = np.asarray(st.tokens_BxS[:, pending + 1:pending + 3]).reshape(-1, paths, 2)
   q_BxPxJxV = np.asarray(sampling.probs(st.draft_logits_BxJxV, TEMPERATURE, TOP_P)).reshape(-1, paths, 2, 8)
-  nodes_PxJ1 = draft_tree.path_nodes(tree)
+  nodes_PxJ1 = drafting.path_nodes(tree)
   for p in range(paths):
     for o in range(paths):
       for j in range(2):
@@ -465,7 +463,7 @@ def test_tree_caches_hold_exactly_the_committed_tokens_states(trained):
   the same tokens and hidden states: the accepted path was compacted into place, as a chain has it."""
   structure, leaves = decode.split(trained)
   prompt_BxP, lens_B = decode.pad_prompts(_prompts(), 16)
-  opts = decode.DecodeOptions(max_new_tokens=MAX_NEW, draft_depth=3, tree=(3, 1, 2))
+  opts = decode.options(MAX_NEW, draft_depth=3, tree=(3, 1, 2))
   st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
                                                               jax.random.key(0), opts), opts, 4)
   paths = 6
@@ -474,7 +472,7 @@ def test_tree_caches_hold_exactly_the_committed_tokens_states(trained):
   assert all(c['k'].shape[0] == len(lens_B) for c in st.caches)  # one trunk cache row per sequence
   committed_BxS = tokens_RxS[::paths, :length_R.max()]
   ref = decode.jit_prefill(structure, leaves, committed_BxS, length_R[::paths],  # a chain prefill: it keeps h
-                           jax.random.key(0), decode.DecodeOptions(max_new_tokens=1, draft_depth=1))
+                           jax.random.key(0), decode.options(1, draft_depth=1))
   for r in range(len(length_R)):
     b, n = r // paths, length_R[r] - 1  # the trunk has run positions < the pending one
     np.testing.assert_array_equal(tokens_RxS[r, :n + 1], tokens_RxS[b * paths, :n + 1])
@@ -494,16 +492,16 @@ def test_the_tree_pass_gives_each_path_what_a_chain_verify_of_its_drafts_gives(m
   model = models['trained']
   structure, leaves = decode.split(model)
   prompt_BxP, lens_B = decode.pad_prompts(_prompts(), 16)
-  opts = decode.DecodeOptions(max_new_tokens=MAX_NEW, draft_depth=len(tree), tree=tree)
+  opts = decode.options(MAX_NEW, draft_depth=len(tree), tree=tree)
   st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
                                                               jax.random.key(0), opts), opts, 2)
-  tokens_RxJ1, h_RxJ1xD, logits_RxJ1xV, _ = draft_tree.verify_pass(model, st.tokens_BxS, st.length_B,
+  tokens_RxJ1, h_RxJ1xD, logits_RxJ1xV, _ = drafting.verify_pass(model, st.tokens_BxS, st.length_B,
                                                                    st.caches, tree)
-  paths = draft_tree.num_paths(tree)
+  paths = drafting.num_paths(tree)
   pos_RxJ1 = (st.length_B - 1)[:, None] + jnp.arange(len(tree) + 1)
   np.testing.assert_array_equal(tokens_RxJ1, np.take_along_axis(np.asarray(st.tokens_BxS), np.asarray(pos_RxJ1), 1))
   assert len(np.unique(np.asarray(tokens_RxJ1)[:paths], axis=0)) > 1  # the paths do differ
-  row_caches = draft_tree.tile(st.caches, paths, len(lens_B))
+  row_caches = drafting.tile(st.caches, paths, len(lens_B))
   h_want, _ = model.trunk(tokens_RxJ1, pos_RxJ1, cache_mask(pos_RxJ1, st.tokens_BxS.shape[1]), row_caches)
   np.testing.assert_allclose(h_RxJ1xD, h_want, atol=1e-4, rtol=1e-4)
   np.testing.assert_allclose(logits_RxJ1xV, model.logits(h_want), atol=1e-4, rtol=1e-4)

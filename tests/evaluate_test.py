@@ -27,7 +27,7 @@ def test_evaluate_prompt_set_and_write_report(tmp_path):
   model = MTPTransformer(CFG, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   prompts = [rng.integers(1, 32, n) for n in (5, 11, 3)]  # two batches of 2, the last one padded
-  r = evaluate.evaluate_prompt_set(model, prompts, draft_depth=3, max_new_tokens=8, batch_size=2,
+  r = evaluate.evaluate_prompt_set(model, prompts, decode.options(8, draft_depth=3), batch_size=2,
                                    pad_multiple=16, repeats=1, timing_steps=4, latency_prompts=2)
   assert r['lossless'] and r['new_tokens'] == 3 * 8 and r['prompts'] == 3
   assert r['latency_prompts'] == 2 and r['speedup_batch1'] == pytest.approx(
@@ -60,15 +60,16 @@ def test_timed_decode_gives_each_prompt_its_own_generation_and_compiles_a_shape_
   model = MTPTransformer(CFG, rngs=nnx.Rngs(3))
   rng = np.random.default_rng(3)
   prompts = [rng.integers(1, 32, n) for n in (5, 70, 3, 7, 2)]  # batches of 2: padded to 64, 64, 128
-  settings = {'plain': dict(max_new_tokens=6), 'spec': dict(max_new_tokens=6, draft_depth=3)}
+  kwargs = {'plain': dict(max_new_tokens=6), 'spec': dict(max_new_tokens=6, draft_depth=3)}
+  settings = {name: decode.options(**kw) for name, kw in kwargs.items()}
   compiled = set()
   runs = evaluate.timed_decode(model, prompts, settings, batch_size=2, repeats=2, compiled=compiled)
   assert compiled == {(name, (2, p)) for name in settings for p in (64, 128)}
-  for name, kwargs in settings.items():
+  for name, kw in kwargs.items():
     gen, seconds = runs[name]
     assert seconds > 0 and len(gen.tokens) == len(prompts)
     for p, tokens, accepts in zip(prompts, gen.tokens, gen.accept_lengths):  # in the prompts' order
-      alone = decode.generate(model, [p], pad_multiple=64 * (1 + (len(p) > 64)), **kwargs)
+      alone = decode.generate(model, [p], pad_multiple=64 * (1 + (len(p) > 64)), **kw)
       np.testing.assert_array_equal(tokens, alone.tokens[0])
       np.testing.assert_array_equal(accepts, alone.accept_lengths[0])
   assert all(np.array_equal(a, b) for a, b in zip(runs['plain'][0].tokens, runs['spec'][0].tokens))

@@ -145,8 +145,8 @@ def test_head_vocabulary_ids_travel_with_the_checkpoints_and_other_ids_are_refus
   # The decoding evaluation drafts among exactly those ids.
   seen = {}
 
-  def evaluate_prompt_sets(model, sets, **kw):
-    seen.update(kw)
+  def evaluate_prompt_sets(model, sets, opts, **kw):
+    seen['draft_vocab'] = np.asarray(opts.draft.vocab)
     raise _Killed  # what it was given is all this test reads
   monkeypatch.setattr(experiment.evaluate, 'evaluate_prompt_sets', evaluate_prompt_sets)
   with pytest.raises(_Killed):

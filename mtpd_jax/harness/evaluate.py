@@ -39,10 +39,10 @@ def _batches(prompts, batch_size: int):
     yield idx, [prompts[k] for k in idx] + [prompts[idx[0]]] * (batch_size - len(idx))
 
 
-def timed_decode(model: MTPTransformer, prompts, settings: dict[str, dict], *, batch_size: int = 8,
+def timed_decode(model: MTPTransformer, prompts, settings: dict[str, decode.DecodeOptions], *, batch_size: int = 8,
                  pad_multiple: int = 64, repeats: int = 3,
                  compiled: set | None = None) -> dict[str, tuple[decode.Generation, float]]:
-  """Decode all prompts under each named `generate` setting: outputs and wall-clock seconds.
+  """Decode all prompts under each named setting: outputs and wall-clock seconds.
 
   Batch by batch, the settings take turns, so a change in machine load hits them alike. A setting
   runs a batch shape (padded prompt length) it has not run before once untimed, to compile; the
@@ -56,15 +56,15 @@ def timed_decode(model: MTPTransformer, prompts, settings: dict[str, dict], *, b
   seconds = dict.fromkeys(settings, 0.0)
   for idx, batch in _batches(prompts, batch_size):
     shape = decode.pad_prompts(batch, pad_multiple)[0].shape
-    for name, kwargs in settings.items():
+    for name, opts in settings.items():
       if (name, shape) not in compiled:
-        decode.generate_split(structure, leaves, batch, pad_multiple=pad_multiple, **kwargs)
+        decode.generate_split(structure, leaves, batch, opts, pad_multiple=pad_multiple)
         compiled.add((name, shape))
     best = dict.fromkeys(settings, math.inf)
     for _ in range(max(repeats, 1)):
-      for name, kwargs in settings.items():
+      for name, opts in settings.items():
         start = time.perf_counter()
-        gen = decode.generate_split(structure, leaves, batch, pad_multiple=pad_multiple, **kwargs)
+        gen = decode.generate_split(structure, leaves, batch, opts, pad_multiple=pad_multiple)
         best[name] = min(best[name], time.perf_counter() - start)
         for row, k in enumerate(idx):
           out[name][k] = gen.tokens[row], gen.accept_lengths[row]
@@ -75,27 +75,25 @@ def timed_decode(model: MTPTransformer, prompts, settings: dict[str, dict], *, b
 
 def step_seconds(model: MTPTransformer, prompts, settings: dict[str, decode.DecodeOptions], *,
                  pad_multiple: int = 64, num_steps: int = 256, repeats: int = 5,
-                 draft_vocabs: dict | None = None, out_major: dict | None = None) -> dict[str, float]:
+                 out_major: dict | None = None) -> dict[str, float]:
   """Wall-clock seconds of one decoding step on this batch of prompts, per named setting.
 
   Times jitted loops of 8 and 8 + num_steps steps (compiled first, best of `repeats`, settings
   alternating) and divides the difference by num_steps, so dispatch and argument handling cancel.
-  `draft_vocabs` maps a setting's name to its draft vocabulary (token ids), if it has one;
-  `out_major` to the matrix layout it decodes with (`decode.split`; default: split's own).
+  `out_major` maps a setting's name to the matrix layout it decodes with (`decode.split`; default:
+  split's own).
   """
   layouts = {name: (out_major or {}).get(name) for name in settings}
   splits = {om: decode.split(model, om) for om in set(layouts.values())}
   prompt_BxP, lens_B = decode.pad_prompts(prompts, pad_multiple)
-  vocabs = {name: (draft_vocabs or {}).get(name) for name in settings}
-  states = {name: decode.jit_prefill(*splits[layouts[name]], prompt_BxP, lens_B, jax.random.key(0), opts,
-                                     vocabs[name])
+  states = {name: decode.jit_prefill(*splits[layouts[name]], prompt_BxP, lens_B, jax.random.key(0), opts)
             for name, opts in settings.items()}
   best = {}
   for r in range(max(repeats, 1) + 1):
     for name, opts in settings.items():
       for n in (8, 8 + num_steps) if r else (8,):  # round 0 compiles (one program for any count)
         start = time.perf_counter()
-        jax.block_until_ready(decode.jit_steps(*splits[layouts[name]], states[name], opts, n, vocabs[name]))
+        jax.block_until_ready(decode.jit_steps(*splits[layouts[name]], states[name], opts, n))
         if r:
           best[name, n] = min(best.get((name, n), math.inf), time.perf_counter() - start)
   return {name: max(best[name, 8 + num_steps] - best[name, 8], 1e-9) / num_steps for name in settings}
@@ -141,40 +139,29 @@ def teacher_forced(model: MTPTransformer, prompts, continuations, draft_depth: i
   return {**stats, 'main_loss': float(loss), 'main_accuracy': float(correct)}
 
 
-def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max_new_tokens: int,
-                        batch_size: int = 8, stop_tokens=(), pad_multiple: int = 64,
-                        repeats: int = 3, timing_steps: int = 256, timing_repeats: int = 5,
-                        draft_vocab=None, draft_min_prob: float = 0.0, tree=(), latency_prompts: int = 0,
-                        compiled: set | None = None) -> dict:
-  """Greedy speculative vs plain decoding of one prompt set: acceptance, speedups, losslessness.
+def evaluate_prompt_set(model: MTPTransformer, prompts, opts: decode.DecodeOptions, *, batch_size: int = 8,
+                        pad_multiple: int = 64, repeats: int = 3, timing_steps: int = 256, timing_repeats: int = 5,
+                        latency_prompts: int = 0, compiled: set | None = None) -> dict:
+  """Speculative decoding as `opts` says against plain decoding (`opts.plain()`) of one prompt set:
+  acceptance, speedups, losslessness.
 
-  `draft_vocab`: token ids that the drafts are chosen from (`frequent_tokens`); None = all.
-  `draft_min_prob`: adaptive depth (`decode.generate`); `ar`/`car` then count a draft that was
-  not proposed as not accepted, so they describe the decoder, not the heads (`tf_ar` does).
-  `tree`: greedy tree drafts (`decode.generate`); `ar`/`car` and `accept_len` are then those of
-  the path each step kept.
-  `latency_prompts` > 0 also times both decodings one prompt at a time (batch 1, the latency case)
-  on that many of the prompts: `speedup_batch1`.
-  `compiled`: as in `timed_decode`.
+  With adaptive depth (`DraftPlan.min_prob`) `ar`/`car` count a draft that was not proposed as not
+  accepted, so they describe the decoder, not the heads (`tf_ar` does); with a tree, `ar`/`car`
+  and `accept_len` are those of the path each step kept. `latency_prompts` > 0 also times both
+  decodings one prompt at a time (batch 1, the latency case) on that many of the prompts:
+  `speedup_batch1`. `compiled`: as in `timed_decode`.
   """
-  tree = tuple(int(b) for b in tree)
-  stop = tuple(int(t) for t in stop_tokens)
-  settings = {'plain': dict(max_new_tokens=max_new_tokens, stop_tokens=stop),
-              'spec': dict(max_new_tokens=max_new_tokens, stop_tokens=stop, draft_depth=draft_depth,
-                           draft_vocab=draft_vocab, draft_min_prob=draft_min_prob, tree=tree)}
+  plan = opts.draft
+  settings = {'plain': opts.plain(), 'spec': opts}
   runs = timed_decode(model, prompts, settings, batch_size=batch_size, pad_multiple=pad_multiple, repeats=repeats,
                       compiled=compiled)
   (plain, plain_s), (spec, spec_s) = runs['plain'], runs['spec']
-  stats = metrics.acceptance_stats(np.concatenate(spec.accept_lengths), draft_depth)
+  stats = metrics.acceptance_stats(np.concatenate(spec.accept_lengths), plan.depth)
   plain_tokens, spec_tokens = sum(map(len, plain.tokens)), sum(map(len, spec.tokens))
-  costs = step_seconds(model, next(_batches(prompts, batch_size))[1],
-                       {'plain': decode.DecodeOptions(max_new_tokens, 0, stop_tokens=stop),
-                        'spec': decode.DecodeOptions(max_new_tokens, draft_depth, stop_tokens=stop,
-                                                     draft_min_prob=draft_min_prob, tree=tree)},
-                       pad_multiple=pad_multiple, num_steps=timing_steps, repeats=timing_repeats,
-                       draft_vocabs={'spec': draft_vocab})
+  costs = step_seconds(model, next(_batches(prompts, batch_size))[1], settings, pad_multiple=pad_multiple,
+                       num_steps=timing_steps, repeats=timing_repeats)
   plain_step, spec_step = costs['plain'], costs['spec']
-  tf = teacher_forced(model, prompts, plain.tokens, draft_depth, batch_size)
+  tf = teacher_forced(model, prompts, plain.tokens, plan.depth, batch_size)
   plain_tps, spec_tps = plain_tokens / plain_s, spec_tokens / spec_s
   latency = {}
   if latency_prompts:
@@ -185,9 +172,9 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max
                'spec_tokens_per_s_batch1': tps['spec'], 'speedup_batch1': tps['spec'] / tps['plain']}
   return {
       **stats,
-      'draft_depth': draft_depth,
-      'draft_vocab': 0 if draft_vocab is None else len(draft_vocab),
-      'draft_min_prob': draft_min_prob, 'tree': list(tree),
+      'draft_depth': plan.depth,
+      'draft_vocab': len(plan.vocab),
+      'draft_min_prob': plan.min_prob, 'tree': list(plan.tree),
       'lossless': all(np.array_equal(a, b) for a, b in zip(plain.tokens, spec.tokens)),
       'prompts': len(prompts), 'new_tokens': spec_tokens,
       'plain_tokens_per_s': plain_tps, 'spec_tokens_per_s': spec_tps,
@@ -204,10 +191,11 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, *, draft_depth: int, max
   }
 
 
-def evaluate_prompt_sets(model: MTPTransformer, prompt_sets: dict[str, list[np.ndarray]], **kwargs) -> dict:
+def evaluate_prompt_sets(model: MTPTransformer, prompt_sets: dict[str, list[np.ndarray]], opts: decode.DecodeOptions,
+                         **kwargs) -> dict:
   """`evaluate_prompt_set` for each named set (keyword arguments as there); shapes compile once."""
   compiled = set()
-  return {name: evaluate_prompt_set(model, prompts, compiled=compiled, **kwargs)
+  return {name: evaluate_prompt_set(model, prompts, opts, compiled=compiled, **kwargs)
           for name, prompts in prompt_sets.items()}
 
 

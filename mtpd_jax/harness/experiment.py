@@ -177,18 +177,10 @@ def _evaluate_workdir(workdir, draft_depth, *, write, defaults, config, out_dir)
     e = config.eval
     sets = recipe.prompt_sets(config)
     # Heads trained over a head vocabulary draft among its ids, as saved with their checkpoint.
-    vocab = training.head_vocab_of(workdir, saved)
-    if vocab is None and e.get('draft_vocab', 0):  # the most frequent training tokens, as a head vocabulary is
-      vocab = recipe.frequent_training_tokens(config, e.draft_vocab)
-    # The embedded tokenizer's stop tokens: EOS, and for an instruct model also its end of turn.
-    stop = (recipe.embedded_data(config).tokenizer().stop_ids if config.data.source == 'embedded'
-            else (config.data.eos_id,))
-    results = evaluate.evaluate_prompt_sets(model, sets, draft_depth=depth, max_new_tokens=e.max_new_tokens,
-                                            batch_size=e.batch_size, stop_tokens=stop,
-                                            repeats=e.repeats, timing_steps=e.timing_steps,
-                                            timing_repeats=e.timing_repeats,
-                                            draft_vocab=vocab, latency_prompts=e.get('latency_prompts', 0),
-                                            draft_min_prob=e.get('draft_min_prob', 0.0), tree=tuple(e.get('tree', ())))
+    opts = recipe.decode_options(config, depth, training.head_vocab_of(workdir, saved))
+    results = evaluate.evaluate_prompt_sets(model, sets, opts, batch_size=e.batch_size, repeats=e.repeats,
+                                            timing_steps=e.timing_steps, timing_repeats=e.timing_repeats,
+                                            latency_prompts=e.get('latency_prompts', 0))
     print(evaluate.markdown_table(results), flush=True)
   if write:
     evaluate.write_report(results, out_dir, heldout)

@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from mtpd_jax import data, losses, train
+from mtpd_jax import data, decode, losses, train
 from mtpd_jax.harness import corpus, evaluate, prompts, regenerate, teacher_cache, trunk_cache
 from mtpd_jax.model import ModelConfig
 from mtpd_jax.moe import MoEConfig
@@ -158,6 +158,27 @@ def make_data_iterator(config: ml_collections.ConfigDict, split: str,
   return data.make_iterator(source, global_batch=d.batch_size, seed=d.seed,
                             shuffle=d.shuffle and split == 'train', process_index=jax.process_index(),
                             process_count=jax.process_count())
+
+
+def stop_tokens(config: ml_collections.ConfigDict) -> tuple[int, ...]:
+  """Where generation stops: the embedded tokenizer's stop tokens (EOS, and for an instruct model its
+  end of turn), else data.eos_id."""
+  if config.data.source == 'embedded':
+    return tuple(embedded_data(config).tokenizer().stop_ids)
+  return (config.data.eos_id,)
+
+
+def decode_options(config: ml_collections.ConfigDict, draft_depth: int, head_vocab=None) -> decode.DecodeOptions:
+  """How `eval.*` decodes, speculatively at `draft_depth`: the one place a config becomes decoding
+  options. Heads trained over a head vocabulary (`head_vocab`, its ids as saved with them) draft
+  among those ids; otherwise `eval.draft_vocab` > 0 picks that many of the most frequent training
+  tokens."""
+  e = config.eval
+  vocab = head_vocab
+  if vocab is None and e.get('draft_vocab', 0):
+    vocab = frequent_training_tokens(config, e.draft_vocab)
+  return decode.options(e.max_new_tokens, draft_depth=draft_depth, tree=tuple(e.get('tree', ())),
+                        draft_min_prob=e.get('draft_min_prob', 0.0), draft_vocab=vocab, stop_tokens=stop_tokens(config))
 
 
 def use_chat_template(config: ml_collections.ConfigDict, tokenizer) -> bool:

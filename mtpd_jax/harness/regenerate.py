@@ -126,15 +126,13 @@ def _decode_parts(config, out_dir: str, load_model, progress: bool) -> tuple[lis
   if not todo:
     return names, tok.vocab_size
   structure, leaves = decode.split(load_model())
-  stop = tuple(tok.stop_ids)
+  opts = decode.options(d.regenerate_new_tokens, temperature=d.regenerate_temperature, stop_tokens=tok.stop_ids)
   bar = runtime.progress_bar(progress, len(batches) - len(todo), len(batches), desc='regenerating answers')
   with bar:
     for i in todo:
       batch = [prompt_ids[j] for j in batches[i]]
       full = batch + [batch[-1]] * (d.regenerate_batch_size - len(batch))  # one shape for the last batch too
-      answers = decode.generate_split(structure, leaves, full, max_new_tokens=d.regenerate_new_tokens,
-                                      temperature=d.regenerate_temperature, stop_tokens=stop,
-                                      seed=d.seed + i, pad_multiple=64).tokens[:len(batch)]
+      answers = decode.generate_split(structure, leaves, full, opts, seed=d.seed + i, pad_multiple=64).tokens[:len(batch)]
       stream = np.concatenate([_document(p, a, embedded.eos_id) for p, a in zip(batch, answers)])
       tmp = names[i] + f'.tmp-{os.getpid()}.npy'
       np.save(tmp, stream.astype(np.int32))
