@@ -115,6 +115,16 @@ def cache_len(prompt_len: int, opts: DecodeOptions) -> int:
   return prompt_len + opts.max_new_tokens + opts.draft.verified
 
 
+def state_bytes(cfg: ModelConfig, batch: int, prompt_len: int, opts: DecodeOptions) -> int:
+  """Bytes of the decoding state of `batch` prompts of `prompt_len` tokens (shapes only, nothing runs):
+  what a decoding setting holds for its whole run, a tree's per-path rows included."""
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: MTPTransformer(cfg, rngs=nnx.Rngs(0))))
+  prompt_BxP = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
+  state = jax.eval_shape(lambda p, x, n: prefill(nnx.merge(graphdef, p), x, n, jax.random.key(0), opts),
+                         params, prompt_BxP, jax.ShapeDtypeStruct((batch,), jnp.int32))
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if hasattr(x, 'dtype'))
+
+
 def _commit(st: DecodeState, emit_BxJ1, n_B, opts: DecodeOptions):
   """Append the first n of `emit` to each active sequence, cut after a stop token or max_new_tokens."""
   idx_J1 = jnp.arange(emit_BxJ1.shape[1])

@@ -89,6 +89,8 @@ CASES = [  # (extra arguments, text the one-line message must contain)
     (['--config.data.batch_size=7'], 'not divisible'),
     (['--config.data.seq_len=4096'], 'data.seq_len=4096 must be an int in [1, model.max_seq_len=128]'),
     (['--config.eval.draft_depth=-2'], 'eval.draft_depth'),
+    (['--config.eval.draft_depth=10', '--config.eval.tree=(2,2,2,2,2,2,2,2,2,2)', '--config.eval.batch_size=64'],
+     'paths) holds a'),
     (['--config.data.source=web'], 'data.source'),
     (['--config.data.source=tokens', '--config.data.train_path=/no/such.npy'], 'token file /no/such.npy does not exist'),
     (['--config.data.source=tokens', '--config.data.train_path={d}'], 'is a directory; name the .npy file'),

@@ -1,6 +1,7 @@
 """Config validation: every field against its rule, then what fields must agree on, the mesh and
 the files a run will read, so that bad input stops before any work with one line naming it."""
 
+import dataclasses
 import math
 import numbers
 import os
@@ -9,7 +10,7 @@ from typing import Any, Callable, NamedTuple
 import ml_collections
 from flax import traverse_util
 
-from mtpd_jax import data, losses, sharding
+from mtpd_jax import data, decode, losses, sharding
 from mtpd_jax.harness import corpus, gguf_llama, prompts, recipe, trunk_cache
 
 
@@ -338,6 +339,24 @@ def check_decoding_fits(config: ml_collections.ConfigDict) -> None:
     if longest + e.max_new_tokens > m.max_seq_len:
       raise ValueError(f'eval.max_prompt_tokens={e.max_prompt_tokens} + eval.max_new_tokens={e.max_new_tokens} '
                        f'exceeds model.max_seq_len={m.max_seq_len}: a prompt and its generation must fit')
+    heads = tuple(config.looped.schedule)[-1] if config.looped.schedule else config.mtp.num_heads
+    depth = e.draft_depth or heads
+    if depth:  # the decoding state (a tree keeps one row per path) must fit before anything trains
+      cfg = dataclasses.replace(recipe.model_config(config), num_mtp_heads=heads)
+      opts = decode.options(e.max_new_tokens, draft_depth=depth, tree=tuple(e.tree))
+      need, have = decode.state_bytes(cfg, e.batch_size, -(-longest // 64) * 64, opts), memory_bytes()
+      if need > have:
+        raise ValueError(f'decoding at eval.draft_depth={depth}' + (f', eval.tree={tuple(e.tree)} '
+                         f'({opts.draft.paths} paths)' if e.tree else '') + f' holds a {need / 2**30:.1f} GiB state '
+                         f'at eval.batch_size={e.batch_size}, more than the {have / 2**30:.1f} GiB this device has: '
+                         'use a smaller tree, depth or batch')
+
+
+def memory_bytes() -> int:
+  """The memory decoding runs in: the first device's, or on a CPU this machine's."""
+  import jax  # pylint: disable=import-outside-toplevel
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get('bytes_limit') or os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
 
 
 def _check_mesh(config: ml_collections.ConfigDict) -> None:
