@@ -24,7 +24,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.mlp_dim = 768           # SwiGLU width F
   c.model.rope_base = 10_000.0    # RoPE frequency base θ
   c.model.rope_interleaved = False  # True for GGUF-exported llama weights
+  # Llama 3's RoPE frequency scaling (factor, low_freq_factor, high_freq_factor, original context); () = none
+  c.model.rope_scaling = ()
   c.model.qk_norm = True          # Table 3
+  c.model.attn_bias = False       # biases on the q, k and v projections (Qwen2 checkpoints)
   c.model.tie_embeddings = False  # Table 3: embedding_tie=False
   c.model.norm_eps = 1e-6         # RMSNorm epsilon
   c.model.max_seq_len = 2048      # longest sequence (prompt + generation) the model accepts

@@ -59,8 +59,8 @@ from flax import nnx
 
 from mtpd_jax import drafting, sampling
 from mtpd_jax.drafting import DraftPlan
-from mtpd_jax.model import (Cache, ModelConfig, MTPTransformer, attention_mask, cache_mask, init_cache,
-                            out_major_params, set_out_major)
+from mtpd_jax.model import Cache, ModelConfig, MTPTransformer, attention_mask, cache_mask, init_cache
+from mtpd_jax.out_major import out_major_params, set_out_major
 from mtpd_jax.shifts import gather_at, shift_left, write_at
 
 
@@ -225,7 +225,7 @@ def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
 @dataclasses.dataclass(frozen=True, eq=False)
 class Structure:
   """A model's graphdef and parameter treedef: one static jit argument, hashed once (not per call).
-  `out_major`: the leaves hold the dense matrices out-major (`model.out_major_params`)."""
+  `out_major`: the leaves hold the dense matrices out-major (`out_major.out_major_params`)."""
   graphdef: nnx.GraphDef
   treedef: Any
   digest: int
@@ -248,7 +248,7 @@ def split(model: MTPTransformer, out_major: bool | None = None) -> tuple[Structu
   """(structure, parameter leaves): what the jitted functions below take, cheap to pass per call.
 
   `out_major` (default: on the CPU backend) copies the dense matrices out-major once, here: XLA:CPU's
-  fast orientation for a step's few rows (docs/design.md, "Decoding cost"; `model.dense`).
+  fast orientation for a step's few rows (docs/design.md, "Decoding cost"; `out_major.dense`).
   """
   out_major = jax.default_backend() == 'cpu' if out_major is None else out_major
   graphdef, params = nnx.split(model, nnx.Param)

@@ -11,21 +11,19 @@ With `moe.num_experts > 0` every block's feed-forward (trunk and MTP heads) is a
 Experts (moe.py); `__call__` applies its capacity limit, `trunk` and `mtp_head` are dropless.
 
 Products with the weight matrices of attention, the MLP, the MTP projection and the output head
-go through `dense`. Decoding on CPU stores those matrices out-major (`out_major_params`,
-`set_out_major`): the same model then runs W @ x^T, the orientation that XLA:CPU runs fastest for
-the few rows of a decoding step (docs/design.md, "Decoding cost"); MoE experts keep their layout.
+go through `out_major.dense`, so decoding on CPU can store them out-major (out_major.py).
 """
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax import lax
 
 from mtpd_jax.moe import MoE, MoEConfig, param, summarize
+from mtpd_jax.out_major import dense
+from mtpd_jax.rope import rope
 from mtpd_jax.shifts import shift_left
 
 # One attention layer's {'k': BxGxSxE, 'v': BxGxSxE}: kv heads before slots, the layout both attention
@@ -46,7 +44,9 @@ class ModelConfig:
   num_mtp_heads: int = 1          # K; 0 is a plain language model
   rope_base: float = 10_000.0
   rope_interleaved: bool = False  # pairs (2j, 2j+1) as in GGUF exports; else rotate_half halves
+  rope_scaling: tuple[float, ...] = ()  # Llama 3's (factor, low_freq_factor, high_freq_factor, context); () = none
   qk_norm: bool = True
+  attn_bias: bool = False         # q, k and v projections with biases (Qwen2)
   tie_embeddings: bool = False
   norm_eps: float = 1e-6
   max_seq_len: int = 2048
@@ -55,6 +55,10 @@ class ModelConfig:
   moe: MoEConfig = MoEConfig()    # feed-forward experts; the default (0 experts) is the dense MLP
 
   def __post_init__(self):
+    object.__setattr__(self, 'rope_scaling', tuple(float(x) for x in self.rope_scaling))
+    if self.rope_scaling and len(self.rope_scaling) != 4:
+      raise ValueError(f'rope_scaling={self.rope_scaling}: expected (factor, low_freq_factor, high_freq_factor, '
+                       'original context) or ()')
     if self.moe.num_experts and not self.moe.expert_dim:  # 0 = experts as wide as the dense MLP
       object.__setattr__(self, 'moe', dataclasses.replace(self.moe, expert_dim=self.mlp_dim))
     if self.num_heads % self.num_kv_heads:
@@ -87,24 +91,6 @@ class ParamKeys:
     self._stream.count[...] = self._count + self._n
 
 
-def dense(spec: str, x, w, out_major: bool = False, preferred_element_type=None):
-  """einsum(spec, x, w) of x's trailing axes with w's leading ones, w cast to x's dtype.
-
-  `out_major`: w is one O x I matrix (`out_major_params`); the product runs as W @ x^T behind an
-  optimisation barrier (XLA would fold the transpose back), 5-15 rows padded with zeros to a multiple
-  of 8, the row counts XLA:CPU's kernel runs fastest (docs/design.md, "Decoding cost").
-  """
-  w = w.astype(x.dtype)
-  if not out_major:
-    return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
-  x_axes, w_axes = spec.split('->')[0].split(',')
-  lead = x.shape[:x.ndim - len(set(x_axes) & set(w_axes))]
-  n = x.size // w.shape[1]
-  x_NxI = jnp.pad(x.reshape(n, w.shape[1]), ((0, -n % 8 if 4 < n < 16 else 0), (0, 0)))
-  y_OxN = jnp.matmul(w, x_NxI.T, preferred_element_type=preferred_element_type)
-  return lax.optimization_barrier(y_OxN).T[:n].reshape(*lead, w.shape[0])
-
-
 _dense_init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')
 
 
@@ -122,22 +108,6 @@ class RMSNorm(nnx.Module):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (y * self.scale[...]).astype(x.dtype)
-
-
-def rope(x_BxTxHxE, positions_BxT, base: float, interleaved: bool):
-  """Rotary embedding; `interleaved` rotates pairs (2j, 2j+1), else pairs (j, j + E/2)."""
-  e = x_BxTxHxE.shape[-1]
-  inv_freq = base ** (-jnp.arange(0, e, 2, dtype=jnp.float32) / e)
-  angle_BxTx1xE2 = positions_BxT[..., None, None].astype(jnp.float32) * inv_freq
-  sin, cos = jnp.sin(angle_BxTx1xE2), jnp.cos(angle_BxTx1xE2)
-  x = x_BxTxHxE.astype(jnp.float32)
-  if interleaved:
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
-  else:
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxHxE.dtype)
 
 
 def attention_mask(positions_BxT, segment_ids_BxT=None):
@@ -176,6 +146,10 @@ class Attention(nnx.Module):
     self.wk = param(rngs, _dense_init, (d, g, e), ('embed', 'kv_heads', 'head_dim'))
     self.wv = param(rngs, _dense_init, (d, g, e), ('embed', 'kv_heads', 'head_dim'))
     self.wo = param(rngs, _dense_init_in_axes(0, 1), (h, e, d), ('heads', 'head_dim', 'embed'))
+    if cfg.attn_bias:
+      self.bq = param(rngs, nnx.initializers.zeros, (h, e), ('heads', 'head_dim'))
+      self.bk = param(rngs, nnx.initializers.zeros, (g, e), ('kv_heads', 'head_dim'))
+      self.bv = param(rngs, nnx.initializers.zeros, (g, e), ('kv_heads', 'head_dim'))
     if cfg.qk_norm:
       self.q_norm = RMSNorm(e, cfg.norm_eps, rngs)
       self.k_norm = RMSNorm(e, cfg.norm_eps, rngs)
@@ -189,10 +163,13 @@ class Attention(nnx.Module):
     q_BxTxHxE = dense('btd,dhe->bthe', x_BxTxD, self.wq[...], om).reshape(b, t, h, e)
     k_BxTxGxE = dense('btd,dge->btge', x_BxTxD, self.wk[...], om).reshape(b, t, g, e)
     v_BxTxGxE = dense('btd,dge->btge', x_BxTxD, self.wv[...], om).reshape(b, t, g, e)
+    if cfg.attn_bias:
+      q_BxTxHxE, k_BxTxGxE, v_BxTxGxE = (x + bias[...].astype(x.dtype) for x, bias in
+                                        ((q_BxTxHxE, self.bq), (k_BxTxGxE, self.bk), (v_BxTxGxE, self.bv)))
     if cfg.qk_norm:
       q_BxTxHxE, k_BxTxGxE = self.q_norm(q_BxTxHxE), self.k_norm(k_BxTxGxE)
-    q_BxTxHxE = rope(q_BxTxHxE, positions_BxT, cfg.rope_base, cfg.rope_interleaved)
-    k_BxTxGxE = rope(k_BxTxGxE, positions_BxT, cfg.rope_base, cfg.rope_interleaved)
+    q_BxTxHxE = rope(q_BxTxHxE, positions_BxT, cfg.rope_base, cfg.rope_interleaved, cfg.rope_scaling)
+    k_BxTxGxE = rope(k_BxTxGxE, positions_BxT, cfg.rope_base, cfg.rope_interleaved, cfg.rope_scaling)
     if cache is not None:  # write this call's keys at their slots, then attend over the cache
       b_Bx1 = jnp.arange(positions_BxT.shape[0])[:, None]
       slots_BxT = positions_BxT if slots_BxT is None else slots_BxT
@@ -403,30 +380,6 @@ class MTPTransformer(nnx.Module):
     return ModelOutput(logits_BxTxV, mtp_logits_KxBxTxV, jnp.stack(hiddens), aux)
 
 
-def _out_major_modules(model: MTPTransformer):
-  """(path, module) of every module whose `MATRICES` decoding may store out-major."""
-  return [(path, node) for path, node in nnx.iter_graph(model) if hasattr(type(node), 'MATRICES')]
-
-
-def out_major_params(model: MTPTransformer, params):
-  """`params` (the state of `nnx.split(model, nnx.Param)`) with each matrix named in a module's
-  `MATRICES` stored as one O x I matrix, the layout that `set_out_major` makes the model read."""
-  in_axes = {(*path, name): n for path, module in _out_major_modules(model)
-             for name, n in type(module).MATRICES.items()}
-
-  def convert(keypath, x):
-    n = in_axes.get(tuple(getattr(k, 'key', None) for k in keypath[:-1]))  # the last key: the Param's value
-    return x if n is None else jnp.reshape(x, (-1, math.prod(x.shape[n:]))).T
-  return jax.tree_util.tree_map_with_path(convert, params)
-
-
-def set_out_major(model: MTPTransformer) -> MTPTransformer:
-  """Make `model`, whose parameters come from `out_major_params`, read its matrices out-major."""
-  for _, module in _out_major_modules(model):
-    module.out_major = True
-  return model
-
-
 def param_count(cfg: ModelConfig, *, active: bool = False) -> int:
   """Closed-form parameter count, checked against the built model in the tests.
 
@@ -440,6 +393,7 @@ def param_count(cfg: ModelConfig, *, active: bool = False) -> int:
     ffn = d * m.num_experts + m.num_experts + 3 * d * m.expert_dim * (routed + m.num_shared_experts)
   else:
     ffn = 3 * d * f
-  block = 2 * d + d * h * e + 2 * d * g * e + h * e * d + ffn + (2 * e if cfg.qk_norm else 0)
+  block = (2 * d + d * h * e + 2 * d * g * e + h * e * d + ffn + (2 * e if cfg.qk_norm else 0)
+           + ((h + 2 * g) * e if cfg.attn_bias else 0))
   head = 2 * d + 2 * d * d + block
   return v * d * (1 if cfg.tie_embeddings else 2) + cfg.num_layers * block + d + cfg.num_mtp_heads * head

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtpd_jax import model as M
+from mtpd_jax import model as M, out_major, rope
 
 CFG = M.ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                     mlp_dim=48, num_mtp_heads=3)
@@ -77,8 +77,8 @@ def test_rope_layouts_are_a_permutation_of_each_other():
   x = jax.random.normal(jax.random.key(3), (2, 5, 3, 8))
   pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
   perm = np.concatenate([np.arange(0, 8, 2), np.arange(1, 8, 2)])  # interleaved -> halves
-  inter = M.rope(x, pos, 10_000.0, interleaved=True)
-  half = M.rope(x[..., perm], pos, 10_000.0, interleaved=False)
+  inter = rope.rope(x, pos, 10_000.0, interleaved=True)
+  half = rope.rope(x[..., perm], pos, 10_000.0, interleaved=False)
   np.testing.assert_allclose(inter[..., perm], half, atol=1e-5)
   # Position 0 is the identity; norms are preserved.
   np.testing.assert_allclose(inter[:, 0], x[:, 0], atol=1e-6)
@@ -114,7 +114,7 @@ def test_out_major_matrices_give_the_same_model(tie, experts):
   cfg = M.ModelConfig(**{**CFG.__dict__, 'tie_embeddings': tie, 'moe': moe})
   model = _model(cfg)
   graphdef, params = nnx.split(model, nnx.Param)
-  om = M.set_out_major(nnx.merge(graphdef, M.out_major_params(model, params)))
+  om = out_major.set_out_major(nnx.merge(graphdef, out_major.out_major_params(model, params)))
   d, he = cfg.dim, cfg.num_heads * cfg.head_dim
   attn, head = om.blocks[0].attn, om.mtp_heads[0]
   np.testing.assert_array_equal(attn.wq[...], model.blocks[0].attn.wq[...].reshape(d, he).T)
@@ -135,12 +135,12 @@ def test_out_major_matrices_give_the_same_model(tie, experts):
 
 @pytest.mark.parametrize('rows', [1, 4, 5, 7, 8, 9, 15, 16, 17])
 def test_out_major_dense_equals_einsum_at_every_row_count(rows):
-  """W @ x^T pads 5-15 rows to the next multiple of 8 (model.dense); the padding never shows."""
+  """W @ x^T pads 5-15 rows to the next multiple of 8 (out_major.dense); the padding never shows."""
   x = jax.random.normal(jax.random.key(1), (1, rows, 12))
   w_IxHxE = jax.random.normal(jax.random.key(2), (12, 2, 5))
-  got = M.dense('btd,dhe->bthe', x, w_IxHxE.reshape(12, 10).T, out_major=True)
+  got = out_major.dense('btd,dhe->bthe', x, w_IxHxE.reshape(12, 10).T, out_major=True)
   assert got.shape == (1, rows, 10)
-  np.testing.assert_allclose(got.reshape(1, rows, 2, 5), M.dense('btd,dhe->bthe', x, w_IxHxE), atol=1e-5)
+  np.testing.assert_allclose(got.reshape(1, rows, 2, 5), out_major.dense('btd,dhe->bthe', x, w_IxHxE), atol=1e-5)
 
 
 def test_remat_gives_identical_outputs():

@@ -142,6 +142,13 @@ def _prompt_sets(v, c):
   return None if ok else f'a tuple of names from {corpus.PROMPT_SETS}'
 
 
+def _rope_scaling(v, c):
+  del c
+  ok = isinstance(v, (list, tuple)) and (not v or (len(v) == 4 and all(
+      isinstance(x, numbers.Real) and not isinstance(x, bool) and x > 0 for x in v)))
+  return None if ok else '() or four positive numbers (factor, low_freq_factor, high_freq_factor, original context)'
+
+
 def _jsonl(v, c):
   ok = isinstance(v, (list, tuple)) and all(
       isinstance(e, str) and e.partition('=')[0] and e.partition('=')[2] for e in v)
@@ -159,6 +166,9 @@ FIELD_RULES: dict[str, Rule] = {
     'model.mlp_dim': integer(1),
     'model.rope_base': real(0, lo_open=True),
     'model.rope_interleaved': flag(),
+    'model.rope_scaling': Rule('() | (factor, low_freq_factor, high_freq_factor, original context), all > 0',
+                               _rope_scaling),
+    'model.attn_bias': flag(),
     'model.qk_norm': flag(),
     'model.tie_embeddings': flag(),
     'model.norm_eps': real(0, lo_open=True),
@@ -341,7 +351,8 @@ def check_decoding_fits(config: ml_collections.ConfigDict) -> None:
                        f'exceeds model.max_seq_len={m.max_seq_len}: a prompt and its generation must fit')
     heads = tuple(config.looped.schedule)[-1] if config.looped.schedule else config.mtp.num_heads
     depth = e.draft_depth or heads
-    if depth:  # the decoding state (a tree keeps one row per path) must fit before anything trains
+    if depth and heads:  # the decoding state (a tree keeps one row per path) must fit before anything trains
+      _check_cross_fields(config)  # a model that cannot be built is named by its own rule first
       cfg = dataclasses.replace(recipe.model_config(config), num_mtp_heads=heads)
       opts = decode.options(e.max_new_tokens, draft_depth=depth, tree=tuple(e.tree))
       need, have = decode.state_bytes(cfg, e.batch_size, -(-longest // 64) * 64, opts), memory_bytes()
