@@ -85,12 +85,12 @@ def fake_gguf(tmp_path_factory):
 def test_heads_only_training_moves_the_heads_and_leaves_the_trunk_bitwise(fake_gguf):
   from mtpd_jax.harness import gguf_llama  # pylint: disable=import-outside-toplevel
   model = gguf_llama.load_model(fake_gguf, num_mtp_heads=2)
-  before = {gguf_llama._key(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+  before = {gguf_llama.param_key(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
   rows = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (8, 17))
   xent_SxK = decode_speed.train_mtp(model, rows, steps=3, batch_size=4, lr=1e-2, trainable=decode_speed.HEADS,
                                     main_head=False)
   assert xent_SxK.shape == (3, 2) and np.all(np.isfinite(xent_SxK))
-  after = {gguf_llama._key(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+  after = {gguf_llama.param_key(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
   for key, x in after.items():
     if key[0] == 'mtp_heads':
       assert not np.array_equal(x, before[key]), key

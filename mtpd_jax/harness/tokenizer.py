@@ -3,7 +3,7 @@
 Text always encodes to ordinary tokens (a literal '<|endoftext|>' in a document is text, not EOS);
 the special tokens enter a sequence only as explicit ids: EOS after each document and the
 ChatML-like turn markers `<|im_start|>role\\n ... <|im_end|>` built by `chat_turn`/`chat_prompt`.
-A pretrained model's tokenizer (gguf_llama.py) brings its own Jinja chat template instead, which
+A pretrained model's tokenizer (pretrained.py) brings its own Jinja chat template instead, which
 `chat` renders around the already-encoded turns.
 """
 

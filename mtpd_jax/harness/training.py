@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from mtpd_jax import checkpoint, head_vocab, sharding, train, workdir_lock
-from mtpd_jax.harness import gguf_llama, recipe, regenerate, trunk_cache, validation
+from mtpd_jax.harness import pretrained, recipe, regenerate, trunk_cache, validation
 from mtpd_jax.model import MTPTransformer
 
 # Config fields that change the shape of the saved state: a workdir's checkpoints are only
@@ -98,8 +98,8 @@ def train_plan(plan: list[tuple[ml_collections.ConfigDict, str]], *, progress: b
 
 def answering_model(config: ml_collections.ConfigDict) -> MTPTransformer:
   """train.init_from's model without heads: the main head that regenerated text answers with."""
-  if gguf_llama.is_gguf(config.train.init_from):
-    return gguf_llama.load_model(config.train.init_from, num_mtp_heads=0)
+  if pretrained.is_pretrained(config.train.init_from):
+    return pretrained.load_model(config.train.init_from, num_mtp_heads=0)
   return restore_model(config.train.init_from)[0]
 
 
@@ -131,13 +131,14 @@ def warm_start(config: ml_collections.ConfigDict, abstract: train.TrainState, sh
                mesh) -> train.TrainState:
   """A fresh state whose parameters come from `train.init_from`, with fresh optimizer moments.
 
-  `init_from` is a training workdir or a llama GGUF checkpoint (a .gguf path or 'smollm2').
+  `init_from` is a training workdir or a pretrained checkpoint (pretrained.py: a llama GGUF file,
+  'smollm2', or 'hf:<Hugging Face folder>').
   Parameters it lacks (new MTP heads) get the fresh initialisation, which is not even built when
   it has them all (a looped stage copies every new head).
   """
   fresh = lambda: init_state(config, abstract, shardings).params
-  if gguf_llama.is_gguf(config.train.init_from):
-    params = gguf_llama.init_params(abstract.graphdef, fresh(), config.train.init_from,
+  if pretrained.is_pretrained(config.train.init_from):
+    params = pretrained.init_params(abstract.graphdef, fresh(), config.train.init_from,
                                     trunk_heads=config.train.init_heads == 'trunk')
   else:
     source, _ = restore_model(config.train.init_from, mesh)

@@ -11,7 +11,7 @@ import ml_collections
 from flax import traverse_util
 
 from mtpd_jax import data, decode, losses, sharding
-from mtpd_jax.harness import corpus, gguf_llama, prompts, recipe, trunk_cache
+from mtpd_jax.harness import corpus, pretrained, prompts, recipe, trunk_cache
 
 
 # What every field of configs/base.py may hold. One rule per field, in base.py's order; a test
@@ -393,7 +393,7 @@ def _check_files(config: ml_collections.ConfigDict) -> None:
                          f'data.batch_size={d.batch_size}')
   if d.source == 'synthetic' and d.synthetic_records < d.batch_size:
     raise ValueError(f'data.synthetic_records={d.synthetic_records} is fewer than data.batch_size={d.batch_size}')
-  _validate_gguf(config)
+  _validate_pretrained(config)
   for entry in e.jsonl:
     name, _, spec = entry.partition('=')
     path, _, field = spec.partition(':')
@@ -405,18 +405,19 @@ def _check_files(config: ml_collections.ConfigDict) -> None:
                                   text_ok=d.source == 'embedded', max_ids=m.max_seq_len)
 
 
-def _validate_gguf(config: ml_collections.ConfigDict) -> None:
-  """A GGUF `train.init_from` must be a readable llama checkpoint of this model's shape; likewise the tokenizer."""
+def _validate_pretrained(config: ml_collections.ConfigDict) -> None:
+  """A pretrained `train.init_from` must be a readable checkpoint of this model's shape; likewise the tokenizer."""
   init_from, tok = config.train.init_from, config.data.tokenizer
-  if gguf_llama.is_gguf(init_from):
-    gguf_llama.check_model_config(config.model.to_dict(), init_from)
+  if pretrained.is_pretrained(init_from):
+    pretrained.check_model_config(config.model.to_dict(), init_from)
   elif init_from and config.train.init_heads == 'trunk':
-    raise ValueError(f"train.init_heads='trunk' needs a GGUF train.init_from, not {init_from!r}")
+    raise ValueError(f"train.init_heads='trunk' needs a pretrained train.init_from ({pretrained.KINDS}), "
+                     f'not {init_from!r}')
   elif init_from and not os.path.isdir(init_from):
-    raise FileNotFoundError(f"train.init_from={init_from!r} is neither a workdir, 'smollm2' nor a .gguf file")
+    raise FileNotFoundError(f'train.init_from={init_from!r} is neither a workdir nor {pretrained.KINDS}')
   if tok != 'bpe':
-    if not gguf_llama.is_gguf(tok):
-      raise ValueError(f"data.tokenizer={tok!r} is not 'bpe', 'smollm2' or a .gguf path")
-    if gguf_llama.load_tokenizer(tok).vocab_size > config.model.vocab_size:
-      raise ValueError(f'data.tokenizer={tok!r} has {gguf_llama.load_tokenizer(tok).vocab_size} tokens, '
+    if not pretrained.is_pretrained(tok):
+      raise ValueError(f"data.tokenizer={tok!r} is not 'bpe' nor {pretrained.KINDS}")
+    if pretrained.load_tokenizer(tok).vocab_size > config.model.vocab_size:
+      raise ValueError(f'data.tokenizer={tok!r} has {pretrained.load_tokenizer(tok).vocab_size} tokens, '
                        f'more than model.vocab_size={config.model.vocab_size}')
