@@ -75,14 +75,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.distill.warmup_steps = 0      # linear ramp of β from 0 over these steps (0 = KL from step 0)
 
   c.data = ml_collections.ConfigDict()  # training text and batches (mtpd_jax/data.py, mtpd_jax/harness/corpus.py)
-  c.data.source = 'synthetic'     # 'synthetic' (learnable, in memory) | 'embedded' | 'tokens'
+  # 'synthetic' (learnable, in memory) | 'embedded' | 'tokens' (a .npy of ids) | 'text' (your .jsonl or
+  # .txt, tokenized once by data.tokenizer: mtpd_jax/harness/text_corpus.py)
+  c.data.source = 'synthetic'
   c.data.cache_dir = ''           # embedded corpus + tokenizer cache; '' = $MTPD_JAX_CACHE or ~/.cache/mtpd_jax
   c.data.embedded_chars = 12_000_000  # ShareGPT chat + Python stdlib text for 'embedded'
   c.data.code_fraction = 0.25     # share of that text that is Python source
-  # 'embedded' tokenizer: 'bpe' (trained on that text, vocab model.vocab_size) or a llama GGUF
-  # checkpoint's own ('smollm2' or a .gguf path), with its chat template around the ShareGPT turns.
+  # 'embedded' and 'text' tokenizer: 'bpe' (trained on that text, vocab model.vocab_size) or a
+  # pretrained checkpoint's own ('smollm2', a .gguf path or 'hf:<folder>'), with its chat template.
   c.data.tokenizer = 'bpe'
-  c.data.train_path = ''          # 1-D .npy of token ids, documents joined by eos_id
+  c.data.train_path = ''          # 'tokens': a 1-D .npy of ids, documents joined by eos_id; 'text': a .jsonl or .txt
+  c.data.text_field = 'text'      # 'text' .jsonl: the field holding a document ('messages': a chat in the template)
   c.data.eos_id = 0               # end-of-document id of a 'tokens' file (the embedded data sets its own)
   c.data.eval_fraction = 0.01     # tail of the token file held out for evaluation
   c.data.seq_len = 256            # T

@@ -57,14 +57,14 @@ def speculative_html(workdir: str, prompt_set: str = 'chat', index: int = 0, *, 
                      draft_depth: int = 0) -> str:
   """Greedy speculative decoding of one prompt of a trained workdir's prompt set, as highlighted HTML.
 
-  Needs a text source (`data.source='embedded'`); draft_depth 0 drafts with all K heads.
+  Needs a text source (`data.source='embedded'` or 'text'); draft_depth 0 drafts with all K heads.
   """
   from mtpd_jax import decode  # pylint: disable=import-outside-toplevel
   from mtpd_jax.harness import recipe, training
   model, config = training.restore_model(workdir)
-  if config.data.source != 'embedded':
+  tok = recipe.tokenizer(config)
+  if tok is None:
     raise ValueError(f'{workdir} was trained on data.source={config.data.source!r}, which has no text to show')
-  tok = recipe.embedded_data(config).tokenizer()
   prompt = recipe.prompt_sets(config)[prompt_set][index]
   gen = decode.generate(model, [prompt], max_new_tokens=max_new_tokens,
                         draft_depth=draft_depth or config.mtp.num_heads, stop_tokens=tok.stop_ids)

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 
 from mtpd_jax import data, decode, losses, train
-from mtpd_jax.harness import corpus, evaluate, prompts, regenerate, teacher_cache, trunk_cache
+from mtpd_jax.harness import corpus, evaluate, prompts, regenerate, teacher_cache, text_corpus, trunk_cache
 from mtpd_jax.model import ModelConfig
 from mtpd_jax.moe import MoEConfig
 
@@ -119,16 +119,30 @@ def embedded_data(config: ml_collections.ConfigDict):
                                  tokenizer=d.tokenizer)
 
 
+def text_data(config: ml_collections.ConfigDict) -> text_corpus.TextData:
+  """`data.source='text'`: the user's file, tokenized once (text_corpus.py)."""
+  d = config.data
+  return text_corpus.prepare_text(d.train_path, field=d.text_field, tokenizer=d.tokenizer,
+                                  vocab_size=config.model.vocab_size, cache_dir=d.cache_dir or corpus.default_cache_dir())
+
+
+def tokenizer(config: ml_collections.ConfigDict):
+  """The tokenizer of a text source ('embedded' or 'text'), or None for token ids."""
+  if config.data.source == 'embedded':
+    return embedded_data(config).tokenizer()
+  return text_data(config).tokenizer() if config.data.source == 'text' else None
+
+
 def make_source(config: ml_collections.ConfigDict, split: str):
   """The train or held-out record source named by `config.data`."""
   d = config.data
   if d.source == 'synthetic':  # held-out records come from another seed of the same process
     return data.SyntheticSource(config.model.vocab_size, d.seq_len, d.synthetic_records,
                                 seed=d.seed + (0 if split == 'train' else 1_000_003))
-  if d.source not in ('tokens', 'embedded'):
-    raise ValueError(f"unknown data.source {d.source!r}; expected 'synthetic', 'tokens' or 'embedded'")
+  if d.source not in ('tokens', 'embedded', 'text'):
+    raise ValueError(f"unknown data.source {d.source!r}; expected 'synthetic', 'tokens', 'embedded' or 'text'")
   path, eos_id = (d.train_path, d.eos_id) if d.source == 'tokens' else (
-      lambda e: (e.train_tokens_path, e.eos_id))(embedded_data(config))
+      lambda e: (e.train_tokens_path, e.eos_id))(embedded_data(config) if d.source == 'embedded' else text_data(config))
   if d.source == 'embedded' and d.regenerate and split == 'train':  # the model's own answers, all of them
     return data.PackedTokens(regenerate.tokens_path(config), d.seq_len, eos_id, config.model.vocab_size)
   cut = 1.0 - d.eval_fraction
@@ -161,11 +175,10 @@ def make_data_iterator(config: ml_collections.ConfigDict, split: str,
 
 
 def stop_tokens(config: ml_collections.ConfigDict) -> tuple[int, ...]:
-  """Where generation stops: the embedded tokenizer's stop tokens (EOS, and for an instruct model its
-  end of turn), else data.eos_id."""
-  if config.data.source == 'embedded':
-    return tuple(embedded_data(config).tokenizer().stop_ids)
-  return (config.data.eos_id,)
+  """Where generation stops: a text source's tokenizer's stop tokens (EOS, and for an instruct model
+  its end of turn), else data.eos_id."""
+  tok = tokenizer(config)
+  return (config.data.eos_id,) if tok is None else tuple(tok.stop_ids)
 
 
 def decode_options(config: ml_collections.ConfigDict, draft_depth: int, head_vocab=None) -> decode.DecodeOptions:
@@ -194,18 +207,18 @@ def use_chat_template(config: ml_collections.ConfigDict, tokenizer) -> bool:
 def prompt_sets(config: ml_collections.ConfigDict) -> dict[str, list[np.ndarray]]:
   """Named prompt sets (token-id arrays) for the decoding evaluation.
 
-  `embedded`: the held-out `chat` (ShareGPT first turns, chat template), `code` (HumanEval) and
-  `math` (CHAMP) sets named in `eval.prompt_sets`. `synthetic`: starts of held-out records.
-  Extra sets come from `eval.jsonl` entries 'name=path' or 'name=path:field' (text needs the
-  embedded tokenizer; a field of token ids works with any source).
+  `embedded` and `text`: the held-out `chat` (ShareGPT first turns, chat template), `code`
+  (HumanEval) and `math` (CHAMP) sets named in `eval.prompt_sets`, in the source's tokenizer.
+  `synthetic`: starts of held-out records. Extra sets come from `eval.jsonl` entries 'name=path'
+  or 'name=path:field' (text needs a text source's tokenizer; a field of token ids works with any).
   """
   e, source = config.eval, config.data.source
-  tok = embedded_data(config).tokenizer() if source == 'embedded' else None
+  tok = tokenizer(config)
   sets = {}
   if source == 'synthetic':
     src = make_source(config, 'eval')
     sets['synthetic'] = [src[i]['inputs'][:e.max_prompt_tokens] for i in range(min(e.max_prompts, len(src)))]
-  elif source == 'embedded':
+  elif tok is not None:
     for name in e.prompt_sets:
       sets[name] = prompts.load_prompt_set(name, tokenizer=tok, max_prompts=e.max_prompts,
                                            max_prompt_tokens=e.max_prompt_tokens, chat_template=name == 'chat')

@@ -11,7 +11,7 @@ import ml_collections
 from flax import traverse_util
 
 from mtpd_jax import data, decode, losses, sharding
-from mtpd_jax.harness import corpus, pretrained, prompts, recipe, trunk_cache
+from mtpd_jax.harness import corpus, pretrained, prompts, recipe, text_corpus, trunk_cache
 
 
 # What every field of configs/base.py may hold. One rule per field, in base.py's order; a test
@@ -202,7 +202,8 @@ FIELD_RULES: dict[str, Rule] = {
     'distill.step_gamma': real(0, lo_open=True),
     'distill.teacher': one_of(*losses.TEACHERS),
     'distill.warmup_steps': integer(0),
-    'data.source': one_of('synthetic', 'embedded', 'tokens'),
+    'data.source': one_of('synthetic', 'embedded', 'tokens', 'text'),
+    'data.text_field': text(),
     'data.cache_dir': text(),
     'data.embedded_chars': integer(1),
     'data.code_fraction': real(0, 1),
@@ -307,9 +308,11 @@ def _check_cross_fields(config: ml_collections.ConfigDict) -> None:
   recipe.step_config(config)  # β per head after its schedule; a fused loss that supports the settings
   if d.source == 'tokens' and not d.train_path:
     raise ValueError("data.source='tokens' needs data.train_path, a 1-D .npy file of token ids")
-  if e.chat_template == 'on' and e.jsonl and d.source != 'embedded':
+  if d.source == 'text' and not d.train_path:
+    raise ValueError("data.source='text' needs data.train_path, a .jsonl or .txt file")
+  if e.chat_template == 'on' and e.jsonl and d.source not in ('embedded', 'text'):
     raise ValueError("eval.chat_template='on' needs a tokenizer with a chat format; only "
-                     "data.source='embedded' has one")
+                     "data.source='embedded' or 'text' has one")
   if config.train.trunk_cache and config.train.trainable == 'all':
     raise ValueError("train.trunk_cache=True needs a frozen trunk (train.trainable='mtp_heads' or head "
                      "indices); with trainable='all' the trunk's states change every step")
@@ -391,6 +394,8 @@ def _check_files(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f'token file {d.train_path}: its {part} part (data.eval_fraction={d.eval_fraction}) has '
                          f'{n} windows of data.seq_len+1={d.seq_len + 1} tokens, fewer than '
                          f'data.batch_size={d.batch_size}')
+  if d.source == 'text':  # its contents are read (and any bad line named) as it is tokenized
+    text_corpus.check_file(d.train_path)
   if d.source == 'synthetic' and d.synthetic_records < d.batch_size:
     raise ValueError(f'data.synthetic_records={d.synthetic_records} is fewer than data.batch_size={d.batch_size}')
   _validate_pretrained(config)
@@ -402,7 +407,7 @@ def _check_files(config: ml_collections.ConfigDict) -> None:
                               "(expected 'name=path[:field]')")
     if e.enabled:
       prompts.check_jsonl_prompts(path, field=field or 'prompt', vocab_size=m.vocab_size,
-                                  text_ok=d.source == 'embedded', max_ids=m.max_seq_len)
+                                  text_ok=d.source in ('embedded', 'text'), max_ids=m.max_seq_len)
 
 
 def _validate_pretrained(config: ml_collections.ConfigDict) -> None:
