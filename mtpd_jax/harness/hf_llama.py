@@ -132,7 +132,7 @@ def _tensor_files(path: str) -> dict[str, str]:
   return out
 
 
-def _hf_name(key: tuple) -> tuple[str, callable]:
+def _hf_tensor(key: tuple) -> tuple[str, callable]:
   """The checkpoint tensor behind one of our parameters, and how it becomes ours (f: tensor, shape)."""
   t = lambda x, shape: np.ascontiguousarray(x.T).reshape(shape)  # (out, in) -> (in, ..., out, ...)
   same = lambda x, shape: x.reshape(shape)
@@ -159,6 +159,12 @@ def _hf_name(key: tuple) -> tuple[str, callable]:
   return layer + name, f
 
 
+def tensor_name(key: tuple) -> str:
+  """The checkpoint's name of one of our trunk parameters, e.g. ('blocks', 3, 'attn', 'wq') ->
+  model.layers.3.self_attn.q_proj.weight."""
+  return _hf_tensor(key)[0]
+
+
 def init_params(params: nnx.State, ref: str) -> nnx.State:
   """`params` with every trunk parameter read from the checkpoint, one tensor at a time, into the
   sharding of the parameter it replaces (MTP heads keep theirs)."""
@@ -171,7 +177,7 @@ def init_params(params: nnx.State, ref: str) -> nnx.State:
     key = gguf_llama.param_key(keypath)
     if key[0] == 'mtp_heads':
       return leaf
-    name, convert = _hf_name(key)
+    name, convert = _hf_tensor(key)
     if name not in files:
       raise ValueError(f'{path}: tensor {name!r} is missing (needed for {"/".join(map(str, key))})')
     if files[name] not in handles:

@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from mtpd_jax import checkpoint, head_vocab, sharding, train, workdir_lock
-from mtpd_jax.harness import pretrained, recipe, regenerate, trunk_cache, validation
+from mtpd_jax.harness import export, pretrained, recipe, regenerate, trunk_cache, validation
 from mtpd_jax.model import MTPTransformer
 
 # Config fields that change the shape of the saved state: a workdir's checkpoints are only
@@ -131,25 +131,30 @@ def warm_start(config: ml_collections.ConfigDict, abstract: train.TrainState, sh
                mesh) -> train.TrainState:
   """A fresh state whose parameters come from `train.init_from`, with fresh optimizer moments.
 
-  `init_from` is a training workdir or a pretrained checkpoint (pretrained.py: a llama GGUF file,
-  'smollm2', or 'hf:<Hugging Face folder>').
-  Parameters it lacks (new MTP heads) get the fresh initialisation, which is not even built when
-  it has them all (a looped stage copies every new head).
+  `init_from` is a training workdir, a pretrained checkpoint (pretrained.py: a llama GGUF file,
+  'smollm2', or 'hf:<Hugging Face folder>'), or a folder of exported heads (export.py: its base
+  model, then its heads). Parameters it lacks (new MTP heads) get the fresh initialisation, which
+  is not even built when it has them all (a looped stage copies every new head).
   """
   fresh = lambda: init_state(config, abstract, shardings).params
-  if pretrained.is_pretrained(config.train.init_from):
-    params = pretrained.init_params(abstract.graphdef, fresh(), config.train.init_from,
+  init_from = config.train.init_from
+  source = export.base_of(init_from) if export.is_export(init_from) else init_from
+  if pretrained.is_pretrained(source):
+    params = pretrained.init_params(abstract.graphdef, fresh(), source,
                                     trunk_heads=config.train.init_heads == 'trunk')
   else:
-    source, _ = restore_model(config.train.init_from, mesh)
-    if config.mtp.head_vocab:  # heads trained over another head vocabulary would draft the wrong ids
-      train.check_meta(checkpoint_meta(config.train.init_from), recipe.head_vocab_meta(recipe.head_vocab_ids(config)),
-                       f'train.init_from={config.train.init_from}')
-    params = transplant(abstract.params, nnx.state(source, nnx.Param),
+    model, _ = restore_model(source, mesh)
+    saved = (checkpoint_meta(source) or {}).get('head_vocab')
+    if saved is not None and source == init_from:  # heads trained over other ids would draft the wrong ones
+      train.check_meta({'head_vocab': saved}, recipe.head_vocab_meta(recipe.head_vocab_ids(config)) if
+                       config.mtp.head_vocab else None, f'train.init_from={source}')
+    params = transplant(abstract.params, nnx.state(model, nnx.Param),
                         loop_heads=config.train.init_heads == 'loop')
     missing = lambda x: isinstance(x, jax.ShapeDtypeStruct)
     if any(missing(x) for x in jax.tree.leaves(params)):
       params = jax.tree.map(lambda p, f: f if missing(p) else p, params, fresh())
+  if source != init_from:  # the exported heads, onto the base they were trained on
+    params = export.load_heads(params, init_from, recipe.model_config(config), recipe.head_vocab_ids(config))
   return train.state_from_params(params, abstract, shardings)
 
 

@@ -11,7 +11,7 @@ import ml_collections
 from flax import traverse_util
 
 from mtpd_jax import data, decode, losses, sharding
-from mtpd_jax.harness import corpus, pretrained, prompts, recipe, text_corpus, trunk_cache
+from mtpd_jax.harness import corpus, export, pretrained, prompts, recipe, text_corpus, trunk_cache
 
 
 # What every field of configs/base.py may hold. One rule per field, in base.py's order; a test
@@ -413,6 +413,8 @@ def _check_files(config: ml_collections.ConfigDict) -> None:
 def _validate_pretrained(config: ml_collections.ConfigDict) -> None:
   """A pretrained `train.init_from` must be a readable checkpoint of this model's shape; likewise the tokenizer."""
   init_from, tok = config.train.init_from, config.data.tokenizer
+  if export.is_export(init_from):  # exported heads: their base model must fit too
+    init_from = export.base_of(init_from)
   if pretrained.is_pretrained(init_from):
     pretrained.check_model_config(config.model.to_dict(), init_from)
   elif init_from and config.train.init_heads == 'trunk':
