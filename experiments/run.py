@@ -127,8 +127,11 @@ def main(argv):
   sweep = load_sweep(path)
   indices = None if _SWEEP_INDEX.value is None else sweep_indices(_SWEEP_INDEX.value, len(sweep), name)
   config = copy.deepcopy(_CONFIG.value)
+  overrides = config_flags.get_override_values(flags.FLAGS['config'])
   if _MODEL.value:
-    config = with_model_preset(config, _MODEL.value, config_flags.get_override_values(flags.FLAGS['config']))
+    config = with_model_preset(config, _MODEL.value, overrides)
+  from mtpd_jax.harness import pretrained
+  pretrained.derive_model(config, set(overrides))  # a pretrained init_from gives the model's shape
   from mtpd_jax.harness import validation
   validation.check_fields(config)  # e.g. seeds=0 would run nothing; each sweep point is validated in full later
   validation.check_decoding_fits(config)

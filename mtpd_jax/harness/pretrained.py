@@ -50,6 +50,26 @@ def identity(ref: str) -> dict:
   return {os.path.realpath(f): [os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files}
 
 
+def derive_model(config, explicit: set[str]) -> None:
+  """Set `config.model`'s shape from a pretrained `train.init_from` (or the base of exported heads),
+  so a user does not type it; a field the command line set (`explicit`: 'model.x' names) and the
+  checkpoint contradicts is refused in one line instead."""
+  from mtpd_jax.harness import export  # pylint: disable=import-outside-toplevel
+  ref = config.train.init_from
+  ref = export.base_of(ref) if export.is_export(ref) else ref
+  if not is_pretrained(ref):
+    return
+  bad = []
+  for name, value in model_fields(ref).items():
+    current = tuple(config.model[name]) if name == 'rope_scaling' else config.model[name]
+    same = np.isclose(current, value) if isinstance(value, float) else current == value
+    if f'model.{name}' in explicit and not same:
+      bad.append(f'model.{name}={current!r} (the checkpoint has {value!r})')
+    config.model[name] = value
+  if bad:
+    raise ValueError(f'train.init_from={ref} contradicts the command line: ' + '; '.join(bad))
+
+
 def init_params(graphdef: nnx.GraphDef, params: nnx.State, ref: str, *, trunk_heads: bool) -> nnx.State:
   """Trunk parameters from the checkpoint; with `trunk_heads`, MTP heads that start near the trunk.
 
