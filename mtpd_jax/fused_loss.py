@@ -14,9 +14,9 @@ on row j, so a chunk of rows holds each KL pair whole.
 Supported (see `supports`): plain MTP, and MTP-D with teacher='main', detach=True and
 selection='threshold' (the defaults) with any top_n (or None), top_n_mode, renormalize, kl,
 divergence and tau. Any other setting is refused (the harness refuses it when it reads the config). Metrics are
-not differentiable. The default forward KL in 'teacher' mode takes all heads in one set of
-whole-array passes against one teacher distribution per chunk (`_shared_teacher_kl`); the other
-modes go head by head (`_per_head_kl`).
+not differentiable. In 'teacher' mode all heads take one set of whole-array passes against one
+teacher distribution per chunk (`_shared_teacher_kl`); 'union' mode goes head by head
+(`_per_head_kl`). Both read the divergence's one definition (divergences.py).
 """
 
 import functools
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mtpd_jax import losses
+from mtpd_jax import divergences, losses
 from mtpd_jax.shifts import shift_right
 from mtpd_jax.top_n import top_n_threshold
 
@@ -55,8 +55,8 @@ def _chunk(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg):
                else jnp.full((1, rows), -jnp.inf))
     g_K1xR = jnp.concatenate([jnp.zeros(1), kl_coef_K])[:, None] * mask_K1xR  # the main row has no KL
     args = (z_K1xRxV, thr_1xR, g_K1xR, top_n, top_n_mode, measure, renormalize, tau)
-    if _shares_the_teacher(top_n_mode, measure):
-      kl_K1xR, ds_K1xRxV = _shared_teacher_kl(z_K1xRxV, m_K1xR, thr_1xR, g_K1xR, renormalize, tau)
+    if top_n_mode == 'teacher':  # one selection for every head
+      kl_K1xR, ds_K1xRxV = _shared_teacher_kl(z_K1xRxV, thr_1xR, g_K1xR, measure, renormalize, tau)
     else:
       kl_K1xR, ds_K1xRxV = _per_head_kl(*args)
     dz_K1xRxV = dz_K1xRxV + ds_K1xRxV
@@ -94,41 +94,21 @@ def _per_head_kl(z_K1xRxV, thr_1xR, g_K1xR, top_n, top_n_mode, measure, renormal
   return jnp.stack(kls), jnp.concatenate(ds)
 
 
-def _shares_the_teacher(top_n_mode, measure) -> bool:
-  """Whether `_shared_teacher_kl` computes this loss: one selection for all heads, forward KL."""
-  return top_n_mode == 'teacher' and measure == 'forward'
-
-
-def _shared_teacher_kl(z_K1xRxV, m_K1xR, thr_1xR, g_K1xR, renormalize, tau):
-  """`_per_head_kl` for forward KL in 'teacher' mode, in a few whole-array passes for all heads.
-
-  The teacher's selection S and probabilities q (zero off S) are computed once per chunk. With
-  each head's softmax p over S (over V without renormalisation), log-normaliser lse_s and the
-  teacher's lse_t,
-
-    KL(q ‖ p) = Σ_S q·(t - s) + Σ_S q·(lse_s - lse_t),   d KL / d s = p·Σ_S q - q.
-
-  Equal to `_per_head_kl` to f32 rounding.
-  """
+def _shared_teacher_kl(z_K1xRxV, thr_1xR, g_K1xR, measure, renormalize, tau):
+  """`_per_head_kl` in 'teacher' mode, in a few whole-array passes for all heads: the teacher's
+  selection S and log-probabilities are computed once per chunk, and every head's divergence and
+  gradient come from the measure's one definition (divergences.py). Equal to `_per_head_kl` to f32
+  rounding. Row 0 (the main head) has g = 0, so its gradient is 0."""
   t_RxV = z_K1xRxV[0] / tau
-  thr_R = thr_1xR[0]
-  sel_RxV = losses.selection_mask(t_RxV, thr_R)
-  t_m_R, t_l_R = losses.teacher_log_normalizer(t_RxV, thr_R, renormalize)
-  q_RxV = jnp.exp(t_RxV - (t_m_R + t_l_R)[:, None]) * sel_RxV
-  mass_R = jnp.sum(q_RxV, axis=-1)  # Σ_S q: 1 (to rounding) when renormalised
-  s_K1xRxV = z_K1xRxV / tau
-  if renormalize:
-    s_K1xRxV = losses.deselect(s_K1xRxV, sel_RxV[None])
-    s_m_K1xR = jnp.max(s_K1xRxV, axis=-1)
-  else:
-    s_m_K1xR = m_K1xR / tau
-  s_l_K1xR = jnp.log(jnp.sum(jnp.exp(s_K1xRxV - s_m_K1xR[..., None]), axis=-1))
-  s_lse_K1xR = s_m_K1xR + s_l_K1xR
-  cross_K1xR = jnp.sum(q_RxV[None] * (t_RxV[None] - z_K1xRxV / tau), axis=-1)
-  kl_K1xR = cross_K1xR + mass_R[None] * (s_lse_K1xR - (t_m_R + t_l_R)[None])
-  p_K1xRxV = jnp.exp(s_K1xRxV - s_lse_K1xR[..., None])
-  ds = g_K1xR[..., None] * (p_K1xRxV * mass_R[None, :, None] - q_RxV[None])
-  return kl_K1xR, ds / tau
+  sel_RxV = losses.selection_mask(t_RxV, thr_1xR[0])
+  t_lse = losses.teacher_log_normalizer(t_RxV, thr_1xR[0], renormalize)
+  logq, logp, _, _ = losses.masked_log_probs(t_RxV[None], z_K1xRxV / tau, sel_RxV[None], renormalize,
+                                             jax.tree.map(lambda x: x[None], t_lse))
+  terms_K1xRxV = divergences.terms(logq, logp, measure)
+  sel = 1.0 if renormalize else sel_RxV[None]
+  kl_K1xR = jnp.sum(terms_K1xRxV * sel, axis=-1)
+  ds_K1xRxV = g_K1xR[..., None] * divergences.student_gradient(logq, logp, sel, measure)
+  return kl_K1xR, ds_K1xRxV / tau
 
 
 def _fused_fwd(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg, chunk_rows):

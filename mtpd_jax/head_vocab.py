@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtpd_jax import losses
+from mtpd_jax import divergences, losses
 from mtpd_jax.shifts import shift_left
 
 
@@ -113,7 +113,7 @@ def mtp_loss(x_KxBxTxD, w_DxU, teacher: Teacher, targets_BxT, segment_ids_BxT, t
       logp_BxTxN = jax.nn.log_softmax(jnp.take_along_axis(s_BxTxU, idx_BxTxN, axis=-1), axis=-1)
     else:
       logp_BxTxN = jnp.take_along_axis(jax.nn.log_softmax(s_BxTxU, axis=-1), idx_BxTxN, axis=-1)
-    div_BxT = jnp.sum(losses.divergence_terms(logq_BxTxN, logp_BxTxN, cfg.measure), axis=-1)
+    div_BxT = jnp.sum(divergences.terms(logq_BxTxN, logp_BxTxN, cfg.measure), axis=-1)
     kl_k = losses.masked_mean(div_BxT, mask_BxT)
     loss += beta_scale * cfg.beta[k - 1] * kl_k
     metrics[f'distill/k{k}/kl'] = kl_k

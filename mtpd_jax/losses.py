@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mtpd_jax import divergences
 from mtpd_jax.shifts import shift_left
 from mtpd_jax.top_n import above, top_n_threshold
 
@@ -189,7 +190,7 @@ def teacher_log_normalizer(t_BxTxV, threshold_BxT, renormalize: bool):
   return log_normalizer(deselect(t_BxTxV, selection_mask(t_BxTxV, threshold_BxT)))
 
 
-def _masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT=None, s_lse_BxT=None):
+def masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT=None, s_lse_BxT=None):
   """Teacher and student log-probabilities, over the selection or (renormalize=False) over V."""
   if renormalize:
     t_BxTxV, s_BxTxV = deselect(t_BxTxV, sel_BxTxV), deselect(s_BxTxV, sel_BxTxV)
@@ -198,31 +199,14 @@ def _masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT=None, 
   return _log_probs(t_BxTxV, t_lse_BxT), _log_probs(s_BxTxV, s_lse_BxT), t_lse_BxT, s_lse_BxT
 
 
-def divergence_terms(logq, logp, measure: str):
-  """Per-entry terms of the distillation divergence from log-probabilities, q the teacher's and p the
-  student's: KL(q ‖ p) ('forward'), KL(p ‖ q) ('reverse'), total variation ½|q - p| ('tv') or
-  Jensen-Shannon ½ q log(q/m) + ½ p log(p/m) with m = (q + p)/2 ('js'). Entries where q or p is 0
-  give 0 terms (m in log space, so 0·log 0 never forms)."""
-  if measure == 'forward':
-    return jnp.exp(logq) * (logq - logp)
-  if measure == 'reverse':
-    return jnp.exp(logp) * (logp - logq)
-  if measure == 'tv':
-    return 0.5 * jnp.abs(jnp.exp(logq) - jnp.exp(logp))
-  if measure == 'js':
-    logm = jnp.logaddexp(logq, logp) - jnp.log(2.0)
-    return 0.5 * (jnp.exp(logq) * (logq - logm) + jnp.exp(logp) * (logp - logm))
-  raise ValueError(f'unknown divergence measure {measure!r}; expected one of {MEASURES}')
-
-
 def _masked_divergence(t_BxTxV, s_BxTxV, sel_BxTxV, *, measure, renormalize, t_lse_BxT=None):
   """The divergence over the entries where sel = 1, from f32 logits already divided by τ.
 
   renormalize: both softmaxes over the selection; else full-vocabulary softmaxes, with the terms
   summed over the selection. `t_lse_BxT`: the teacher's log-normaliser, if precomputed.
   """
-  logq, logp, _, _ = _masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT)
-  terms = divergence_terms(logq, logp, measure)
+  logq, logp, _, _ = masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT)
+  terms = divergences.terms(logq, logp, measure)
   return jnp.sum(terms if renormalize else terms * sel_BxTxV, axis=-1)
 
 
@@ -247,7 +231,7 @@ def _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, renormalize
   t_lse_BxT = jax.tree.map(lambda x: shift_left(x, shift), t_lse_BxT)
   rows = lambda x: jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), x)
   sel_RxV = selection_mask(rows(t_BxTxV), rows(thr_BxT), rows(s_BxTxV), rows(s_thr_BxT))
-  logq, logp, _, s_lse_R = _masked_log_probs(rows(t_BxTxV), rows(s_BxTxV), sel_RxV, renormalize,
+  logq, logp, _, s_lse_R = masked_log_probs(rows(t_BxTxV), rows(s_BxTxV), sel_RxV, renormalize,
                                              rows(t_lse_BxT), s_lse_R)
   return sel_RxV, logq, logp, s_lse_R
 
@@ -255,38 +239,19 @@ def _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, renormalize
 def detached_divergence_fwd(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, measure, renormalize):
   sel_RxV, logq, logp, s_lse_R = _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift,
                                           renormalize)
-  if measure in KL_DIRECTIONS:
-    w_RxV = jnp.exp(logq if measure == 'forward' else logp)
-    w_RxV = w_RxV if renormalize else w_RxV * sel_RxV
-    div_R = jnp.sum(w_RxV * ((logq - logp) if measure == 'forward' else (logp - logq)), axis=-1)
-    # Σ_S q (forward) or Σ_S p (reverse): 1 when renormalised
-    mass_R = jnp.ones_like(div_R) if renormalize else jnp.sum(w_RxV, axis=-1)
-  else:
-    terms_RxV = divergence_terms(logq, logp, measure)
-    div_R = jnp.sum(terms_RxV if renormalize else terms_RxV * sel_RxV, axis=-1)
-    mass_R = jnp.ones_like(div_R)  # unused
-  div_BxT = div_R.reshape(s_BxTxV.shape[:-1])
-  return div_BxT, (t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, s_lse_R, div_R, mass_R)
+  terms_RxV = divergences.terms(logq, logp, measure)
+  div_R = jnp.sum(terms_RxV if renormalize else terms_RxV * sel_RxV, axis=-1)
+  return div_R.reshape(s_BxTxV.shape[:-1]), (t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, s_lse_R)
 
 
 def detached_divergence_bwd(shift, measure, renormalize, res, g_BxT):
-  t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, s_lse_R, kl_R, mass_R = res
+  """The student's gradient from the measure's one definition (divergences.student_gradient); the
+  teacher's inputs get zeros: this, not a stop_gradient, is what detaches the teacher."""
+  t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, s_lse_R = res
   sel_RxV, logq, logp, _ = _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift,
                                     renormalize, s_lse_R)
-  p_RxV, g_Rx1 = jnp.exp(logp), g_BxT.reshape(-1, 1)
   sel = 1.0 if renormalize else sel_RxV  # renormalised: p and q are already 0 off the selection
-  if measure == 'forward':  # d/ds Σ_S q (log q - log p) = p·Σ_S q - q on S
-    ds_RxV = g_Rx1 * (p_RxV * mass_R[:, None] - sel * jnp.exp(logq))
-  elif measure == 'reverse':  # d/ds Σ_S p (log p - log q) = p·(log p - log q + 1) on S - p·(KL + Σ_S p),
-    # summed so that the 1 and Σ_S p (also 1 when renormalised) cancel exactly instead of eating f32 bits
-    ds_RxV = g_Rx1 * p_RxV * ((sel * (logp - logq) - kl_R[:, None]) + (sel - mass_R[:, None]))
-  else:  # Σ_S f(p_i) with f' = ½ sign(p - q) (tv) or ½ log(p/m) (js): d/ds_j = p_j (f'_j on S - Σ_S p f')
-    if measure == 'tv':
-      df_RxV = 0.5 * jnp.sign(p_RxV - jnp.exp(logq))
-    else:
-      df_RxV = 0.5 * (logp - (jnp.logaddexp(logq, logp) - jnp.log(2.0)))
-    pdf_RxV = p_RxV * (sel * df_RxV)
-    ds_RxV = g_Rx1 * (pdf_RxV - p_RxV * jnp.sum(pdf_RxV, axis=-1, keepdims=True))
+  ds_RxV = g_BxT.reshape(-1, 1) * divergences.student_gradient(logq, logp, sel, measure)
   zero = lambda x: jax.tree.map(jnp.zeros_like, x)
   return zero(t_BxTxV), ds_RxV.reshape(s_BxTxV.shape), zero(thr_BxT), zero(s_thr_BxT), zero(t_lse_BxT)
 
@@ -304,7 +269,7 @@ def distill_divergence(teacher_BxTxV, student_BxTxV, idx_BxTxN=None, valid_BxTxN
   """Per-position divergence between teacher and student, over the selected indices (all of V if none).
 
   measure: 'forward' = KL(teacher ‖ student) (mass-covering, the paper's default), 'reverse' =
-  KL(student ‖ teacher), 'tv' = total variation, 'js' = Jensen-Shannon (`_terms`). The selection is either gathered indices (`idx`, `valid` from `top_n_indices`) or a threshold
+  KL(student ‖ teacher), 'tv' = total variation, 'js' = Jensen-Shannon (divergences.py). The selection is either gathered indices (`idx`, `valid` from `top_n_indices`) or a threshold
   (teacher > `threshold_BxT`, joined with student > `student_threshold_BxT` if given; see
   `top_n_threshold`). renormalize: both softmaxes run over the selected logits only (Fig. 6;
   default); otherwise full-vocabulary log-probabilities, with the sum of terms restricted to S.
@@ -327,7 +292,7 @@ def distill_divergence(teacher_BxTxV, student_BxTxV, idx_BxTxN=None, valid_BxTxN
     else:
       logq = jnp.take_along_axis(jax.nn.log_softmax(t_BxTxV, -1), idx_BxTxN, axis=-1)
       logp = jnp.take_along_axis(jax.nn.log_softmax(s_BxTxV, -1), idx_BxTxN, axis=-1)
-  terms = divergence_terms(logq, logp, measure)
+  terms = divergences.terms(logq, logp, measure)
   return jnp.sum(jnp.where(valid, terms, 0.0), axis=-1)
 
 

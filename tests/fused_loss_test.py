@@ -14,14 +14,14 @@ from conftest import gathered_shapes, loss_inputs, small_config
 
 
 @pytest.mark.parametrize('kw', [
-    dict(),                                          # one shared teacher for all heads (forward KL)
+    dict(),                                          # 'teacher' mode: one shared teacher for all heads
     dict(tau=2.0),
     dict(renormalize=False, tau=0.7),
     dict(top_n=None),
-    dict(kl='reverse', renormalize=False, tau=1.5),  # head by head
-    dict(top_n_mode='union', top_n=5),
+    dict(kl='reverse', renormalize=False, tau=1.5),
+    dict(top_n_mode='union', top_n=5),              # 'union' mode: head by head
     dict(distill=False),
-    dict(divergence='tv'),                           # the symmetric divergences, head by head
+    dict(divergence='tv'),                           # the symmetric divergences
     dict(divergence='tv', renormalize=False, top_n_mode='union', top_n=5),
     dict(divergence='js', tau=1.5),
     dict(divergence='js', renormalize=False, top_n=None),
