@@ -77,19 +77,19 @@ def _chunk(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg):
 
 def _per_head_kl(z_K1xRxV, thr_1xR, g_K1xR, top_n, top_n_mode, measure, renormalize, tau):
   """Each head's divergence against the main row (row 0) and its gradient w.r.t. the logits, one
-  head at a time through `losses.detached_divergence_fwd`/`_bwd`: any mode, direction and
+  head at a time through `divergences.detached_divergence_fwd`/`_bwd`: any mode, direction and
   divergence. Row 0's are zeros."""
   rows, v = z_K1xRxV.shape[1:]
   t_1xRxV = z_K1xRxV[:1] / tau
   # In 'teacher' mode the teacher's log-normaliser over S is shared by every head.
-  t_lse = losses.teacher_log_normalizer(t_1xRxV, thr_1xR, renormalize) if top_n_mode == 'teacher' else None
+  t_lse = divergences.teacher_log_normalizer(t_1xRxV, thr_1xR, renormalize) if top_n_mode == 'teacher' else None
   kls, ds = [jnp.zeros(rows, jnp.float32)], [jnp.zeros((1, rows, v), jnp.float32)]
   for k in range(1, z_K1xRxV.shape[0]):
     s_1xRxV = z_K1xRxV[k:k + 1] / tau
     s_thr_1xR = top_n_threshold(s_1xRxV, top_n) if top_n_mode == 'union' and top_n is not None else None
-    kl_1xR, res = losses.detached_divergence_fwd(t_1xRxV, s_1xRxV, thr_1xR, s_thr_1xR, t_lse, 0, measure,
+    kl_1xR, res = divergences.detached_divergence_fwd(t_1xRxV, s_1xRxV, thr_1xR, s_thr_1xR, t_lse, 0, measure,
                                                  renormalize)
-    ds.append(losses.detached_divergence_bwd(0, measure, renormalize, res, g_K1xR[k:k + 1])[1] / tau)
+    ds.append(divergences.detached_divergence_bwd(0, measure, renormalize, res, g_K1xR[k:k + 1])[1] / tau)
     kls.append(kl_1xR[0])
   return jnp.stack(kls), jnp.concatenate(ds)
 
@@ -100,9 +100,9 @@ def _shared_teacher_kl(z_K1xRxV, thr_1xR, g_K1xR, measure, renormalize, tau):
   gradient come from the measure's one definition (divergences.py). Equal to `_per_head_kl` to f32
   rounding. Row 0 (the main head) has g = 0, so its gradient is 0."""
   t_RxV = z_K1xRxV[0] / tau
-  sel_RxV = losses.selection_mask(t_RxV, thr_1xR[0])
-  t_lse = losses.teacher_log_normalizer(t_RxV, thr_1xR[0], renormalize)
-  logq, logp, _, _ = losses.masked_log_probs(t_RxV[None], z_K1xRxV / tau, sel_RxV[None], renormalize,
+  sel_RxV = divergences.selection_mask(t_RxV, thr_1xR[0])
+  t_lse = divergences.teacher_log_normalizer(t_RxV, thr_1xR[0], renormalize)
+  logq, logp, _, _ = divergences.masked_log_probs(t_RxV[None], z_K1xRxV / tau, sel_RxV[None], renormalize,
                                              jax.tree.map(lambda x: x[None], t_lse))
   terms_K1xRxV = divergences.terms(logq, logp, measure)
   sel = 1.0 if renormalize else sel_RxV[None]

@@ -18,7 +18,6 @@ the logits are distinct; logits tied with the N-th largest are all selected.
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ from jax import lax
 
 from mtpd_jax import divergences
 from mtpd_jax.shifts import shift_left
-from mtpd_jax.top_n import above, top_n_threshold
+from mtpd_jax.top_n import top_n_threshold
 
 KL_DIRECTIONS = ('forward', 'reverse')
 DIVERGENCES = ('kl', 'tv', 'js')
@@ -35,7 +34,6 @@ TOP_N_MODES = ('teacher', 'union')
 TEACHERS = ('main', 'ensemble_mean')
 SELECTIONS = ('top_k', 'threshold')
 _MASKED = -1e9  # logit of an unselected entry: exp underflows to 0, differences stay finite
-_OFF = 1e30     # subtracted from unselected logits in the threshold form (absorbs the logit in f32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,113 +151,6 @@ def top_n_indices(teacher_BxTxV, student_BxTxV, top_n: int, mode: str):
 
 
 # ---------------------------------------------------------------------------------------------
-# The masked (threshold-selected) KL
-
-
-def log_normalizer(x_BxTxV):
-  """logsumexp over V as (m, log Σ exp(x - m)), m the stop-gradient max; log-probabilities are
-  then (x - m) - log Σ, exact to f32 rounding of x - m even where |x| is large."""
-  m_BxT = lax.stop_gradient(jnp.max(x_BxTxV, axis=-1))
-  return m_BxT, jnp.log(jnp.sum(jnp.exp(x_BxTxV - m_BxT[..., None]), axis=-1))
-
-
-def _log_probs(x_BxTxV, lse):
-  return (x_BxTxV - lse[0][..., None]) - lse[1][..., None]
-
-
-def selection_mask(teacher_BxTxV, threshold_BxT, student_BxTxV=None, student_threshold_BxT=None):
-  """1.0 on the selected entries (teacher > its threshold, ∪ student > its threshold), else 0.0."""
-  sel = above(lax.stop_gradient(teacher_BxTxV) - threshold_BxT[..., None])
-  if student_threshold_BxT is not None:
-    sel_s = above(lax.stop_gradient(student_BxTxV) - student_threshold_BxT[..., None])
-    sel = sel + sel_s - sel * sel_s  # a union counts each index once
-  return sel
-
-
-def deselect(x_BxTxV, sel_BxTxV):
-  """x on the selection and -1e30 off it (arithmetic, not a select, so XLA:CPU keeps it fused):
-  a softmax of the result is exactly 0 off the selection."""
-  return x_BxTxV + (sel_BxTxV - 1.0) * _OFF
-
-
-def teacher_log_normalizer(t_BxTxV, threshold_BxT, renormalize: bool):
-  """`log_normalizer` of the teacher over its own selection (over V if not `renormalize`): in
-  'teacher' mode it is the same for every head, so it is computed once per row."""
-  if not renormalize:
-    return log_normalizer(t_BxTxV)
-  return log_normalizer(deselect(t_BxTxV, selection_mask(t_BxTxV, threshold_BxT)))
-
-
-def masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT=None, s_lse_BxT=None):
-  """Teacher and student log-probabilities, over the selection or (renormalize=False) over V."""
-  if renormalize:
-    t_BxTxV, s_BxTxV = deselect(t_BxTxV, sel_BxTxV), deselect(s_BxTxV, sel_BxTxV)
-  t_lse_BxT = log_normalizer(t_BxTxV) if t_lse_BxT is None else t_lse_BxT
-  s_lse_BxT = log_normalizer(s_BxTxV) if s_lse_BxT is None else s_lse_BxT
-  return _log_probs(t_BxTxV, t_lse_BxT), _log_probs(s_BxTxV, s_lse_BxT), t_lse_BxT, s_lse_BxT
-
-
-def _masked_divergence(t_BxTxV, s_BxTxV, sel_BxTxV, *, measure, renormalize, t_lse_BxT=None):
-  """The divergence over the entries where sel = 1, from f32 logits already divided by τ.
-
-  renormalize: both softmaxes over the selection; else full-vocabulary softmaxes, with the terms
-  summed over the selection. `t_lse_BxT`: the teacher's log-normaliser, if precomputed.
-  """
-  logq, logp, _, _ = masked_log_probs(t_BxTxV, s_BxTxV, sel_BxTxV, renormalize, t_lse_BxT)
-  terms = divergences.terms(logq, logp, measure)
-  return jnp.sum(terms if renormalize else terms * sel_BxTxV, axis=-1)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _detached_divergence(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, measure, renormalize):
-  """`_masked_divergence` over a threshold selection, differentiated only in the student.
-
-  The teacher (its logits, threshold and log-normaliser) is read `shift` rows on: head k at row
-  i against the main head at row i+k. The gradient is an elementwise expression of the logits
-  and per-row scalars, recomputed in the backward pass, so no [.., V] residual is stored.
-  """
-  return detached_divergence_fwd(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, measure,
-                                 renormalize)[0]
-
-
-def _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, renormalize, s_lse_R=None):
-  """The shifted teacher's selection and both log-probabilities, as rows R = B·T aligned with the
-  student's rows: XLA:CPU's vectorised reductions need whole 2-D arrays (an offset slice, or a
-  leading dimension of 1, falls back to a loop 10-20x slower than a copy)."""
-  t_BxTxV = shift_left(t_BxTxV, shift)
-  thr_BxT = shift_left(thr_BxT, shift, fill=-jnp.inf)  # rows past the end: select everything
-  t_lse_BxT = jax.tree.map(lambda x: shift_left(x, shift), t_lse_BxT)
-  rows = lambda x: jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), x)
-  sel_RxV = selection_mask(rows(t_BxTxV), rows(thr_BxT), rows(s_BxTxV), rows(s_thr_BxT))
-  logq, logp, _, s_lse_R = masked_log_probs(rows(t_BxTxV), rows(s_BxTxV), sel_RxV, renormalize,
-                                             rows(t_lse_BxT), s_lse_R)
-  return sel_RxV, logq, logp, s_lse_R
-
-
-def detached_divergence_fwd(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, measure, renormalize):
-  sel_RxV, logq, logp, s_lse_R = _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift,
-                                          renormalize)
-  terms_RxV = divergences.terms(logq, logp, measure)
-  div_R = jnp.sum(terms_RxV if renormalize else terms_RxV * sel_RxV, axis=-1)
-  return div_R.reshape(s_BxTxV.shape[:-1]), (t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, s_lse_R)
-
-
-def detached_divergence_bwd(shift, measure, renormalize, res, g_BxT):
-  """The student's gradient from the measure's one definition (divergences.student_gradient); the
-  teacher's inputs get zeros: this, not a stop_gradient, is what detaches the teacher."""
-  t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, s_lse_R = res
-  sel_RxV, logq, logp, _ = _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift,
-                                    renormalize, s_lse_R)
-  sel = 1.0 if renormalize else sel_RxV  # renormalised: p and q are already 0 off the selection
-  ds_RxV = g_BxT.reshape(-1, 1) * divergences.student_gradient(logq, logp, sel, measure)
-  zero = lambda x: jax.tree.map(jnp.zeros_like, x)
-  return zero(t_BxTxV), ds_RxV.reshape(s_BxTxV.shape), zero(thr_BxT), zero(s_thr_BxT), zero(t_lse_BxT)
-
-
-_detached_divergence.defvjp(detached_divergence_fwd, detached_divergence_bwd)
-
-
-# ---------------------------------------------------------------------------------------------
 # The divergence and the full loss
 
 
@@ -277,8 +168,8 @@ def distill_divergence(teacher_BxTxV, student_BxTxV, idx_BxTxN=None, valid_BxTxN
   t_BxTxV = teacher_BxTxV.astype(jnp.float32) / tau
   s_BxTxV = student_BxTxV.astype(jnp.float32) / tau
   if threshold_BxT is not None:
-    sel_BxTxV = selection_mask(teacher_BxTxV, threshold_BxT, student_BxTxV, student_threshold_BxT)
-    return _masked_divergence(t_BxTxV, s_BxTxV, sel_BxTxV, measure=measure, renormalize=renormalize)
+    sel_BxTxV = divergences.selection_mask(teacher_BxTxV, threshold_BxT, student_BxTxV, student_threshold_BxT)
+    return divergences.masked_divergence(t_BxTxV, s_BxTxV, sel_BxTxV, measure=measure, renormalize=renormalize)
   if idx_BxTxN is None:
     logq, logp = jax.nn.log_softmax(t_BxTxV, -1), jax.nn.log_softmax(s_BxTxV, -1)
     valid = jnp.ones(logq.shape, bool)
@@ -323,7 +214,7 @@ def _threshold_divergences(logits_BxTxV, mtp_logits_KxBxTxV, heads, *, top_n, to
     main_thr_BxT = top_n_threshold(main_t_BxTxV, top_n)
     main_lse_BxT = None
     if top_n_mode == 'teacher':
-      main_lse_BxT = teacher_log_normalizer(main_t_BxTxV, main_thr_BxT, renormalize)
+      main_lse_BxT = divergences.teacher_log_normalizer(main_t_BxTxV, main_thr_BxT, renormalize)
   divs = []
   for k, student_BxTxV in enumerate(heads, start=1):
     s_BxTxV = student_BxTxV.astype(jnp.float32) / tau
@@ -335,12 +226,12 @@ def _threshold_divergences(logits_BxTxV, mtp_logits_KxBxTxV, heads, *, top_n, to
       t_BxTxV = lax.stop_gradient(t_BxTxV) if detach else t_BxTxV
       thr_BxT, lse_BxT, shift = top_n_threshold(t_BxTxV, top_n), None, 0
     if detach:
-      divs.append(_detached_divergence(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, lse_BxT, shift, measure,
+      divs.append(divergences.detached_divergence(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, lse_BxT, shift, measure,
                                       renormalize))
     else:
       t_BxTxV, thr_BxT = shift_left(t_BxTxV, shift), shift_left(thr_BxT, shift, fill=-jnp.inf)
       lse_BxT = jax.tree.map(lambda x: shift_left(x, shift), lse_BxT)
-      divs.append(_masked_divergence(t_BxTxV, s_BxTxV, selection_mask(t_BxTxV, thr_BxT, s_BxTxV, s_thr_BxT),
+      divs.append(divergences.masked_divergence(t_BxTxV, s_BxTxV, divergences.selection_mask(t_BxTxV, thr_BxT, s_BxTxV, s_thr_BxT),
                                     measure=measure, renormalize=renormalize, t_lse_BxT=lse_BxT))
   return divs
 
