@@ -17,8 +17,10 @@ and once per draft depth, each head block once, and the KV caches. `read_gb_per_
 over as many bytes as the plain step reads, timed back to back with the plain step in each of
 --repeats rounds (`read_rounds`); `plain_over_bound` is the median over rounds of the plain step over
 that read, and each setting's `over_bound` its step over the time of reading its bytes at the median
-rate. Headline keys: spec_over_plain_j1, spec_over_plain_j4 (batch 1), plain_over_bound. Writes
-benchmarks/results/decode_cost.json.
+rate. Tree shapes (--trees) are timed beside the chain of their depth (`treeAxB`, `chainJ`, over the
+draft vocabulary when --draft_vocab is set), each step split into drafting, verify, accept and
+commit (`phases_ms`). Headline keys: spec_over_plain_j1, spec_over_plain_j4 (batch 1),
+plain_over_bound. Writes benchmarks/results/decode_cost.json.
 """
 
 import time
@@ -31,9 +33,10 @@ from absl import flags
 from flax import nnx
 
 from benchmarks import common
-from mtpd_jax import decode, drafting
-from mtpd_jax.harness import evaluate, gguf_llama
+from mtpd_jax import decode, drafting, sampling
+from mtpd_jax.harness import cli, evaluate, gguf_llama
 from mtpd_jax.model import ModelConfig, MTPTransformer, cache_mask, init_cache
+from mtpd_jax.shifts import gather_at
 
 TINY = ModelConfig(vocab_size=256, dim=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
                    mlp_dim=192, num_mtp_heads=4, max_seq_len=512)
@@ -51,6 +54,9 @@ flags.DEFINE_integer('draft_vocab', 0, "also time J=4 with drafts over the V' lo
 flags.DEFINE_boolean('standard_layout', True, 'also time every setting with the matrices in their '
                      'training layout (x @ W), beside the default out-major one on CPU (decode.split)',
                      flag_values=FLAGS)
+flags.DEFINE_string('trees', '1,1;3,1;1,3;3,2', "tree shapes (branching per depth, ';' between trees) timed "
+                    "beside the chains, with each step split into drafting, verify, accept and commit; '' = none",
+                    flag_values=FLAGS)
 flags.DEFINE_integer('steps', 32, 'timed steps per loop', flag_values=FLAGS)
 flags.DEFINE_integer('repeats', 3, 'timed repeats of each loop (the best counts)', flag_values=FLAGS)
 common.define_results_dir(FLAGS)
@@ -125,6 +131,59 @@ def parts_ms(model: MTPTransformer, b: int, j: int, s: int, vocab_size: int, rep
   return out
 
 
+def phases_ms(model: MTPTransformer, prompts, opts, repeats: int) -> dict:
+  """Milliseconds of each phase of one speculative step (a chain's or a tree's), each jitted alone on
+  the state a few steps into decoding: `verify` (the trunk and main logits over the verified
+  positions: a tree's nodes in one tree attention pass), `accept` (choosing what is accepted, and
+  for a tree compacting the winning path's rows and cache slots), `draft` (the head passes) and
+  `commit`, the whole step less those three (writing the emitted tokens and hidden states)."""
+  structure, leaves = decode.split(model)
+  plan, j = opts.draft, opts.draft.depth
+  prompt_BxP, lens_B = decode.pad_prompts(prompts, 16)
+  st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
+                                                              jax.random.key(0), opts), opts, 4)
+  vocab = lambda m: drafting.draft_vocab(m, plan.vocab) if plan.vocab else None
+  pos = lambda st: (st.length_B - 1)[:, None] + jnp.arange(j + 1)
+
+  @jax.jit
+  def verify(leaves, st):
+    m = decode.decoding_model(structure, leaves)
+    if plan.tree:
+      return drafting.verify_pass(m, st.tokens_BxS, st.length_B, st.caches, plan.tree)
+    h, caches = m.trunk(gather_at(st.tokens_BxS, pos(st)), pos(st), cache_mask(pos(st), st.tokens_BxS.shape[1]),
+                        st.caches)
+    return gather_at(st.tokens_BxS, pos(st)), h, m.logits(h), caches
+
+  @jax.jit
+  def accept(st, verified):
+    tokens, h, logits, caches = verified
+    if not plan.tree:
+      return sampling.verify(jax.random.key(0), tokens[:, 1:], None, logits, 0.0)
+    src, a, nxt = drafting.accept(jax.random.key(0), tokens, None, logits, plan.tree, 0.0)
+    return a, nxt, tokens[src], logits[src], h[src], drafting.keep_path(caches, st.length_B, src, plan.tree)
+
+  @jax.jit
+  def draft(leaves, st):
+    m = decode.decoding_model(structure, leaves)
+    start = jnp.maximum(st.length_B - 1 - 2 * j, 0)
+    return drafting.draft(m, plan, st.tokens_BxS, st.length_B, st.h0_BxSxD, st.head_caches, start, 2 * j,
+                          jax.random.key(0), vocab(m), 0.0, 1.0)
+  step = jax.jit(lambda leaves, st: decode.step(decode.decoding_model(structure, leaves), st, opts,
+                                                vocab(decode.decoding_model(structure, leaves))))
+  out = {'verify': _best_ms(verify, leaves, st, repeats=repeats),
+         'accept': _best_ms(accept, st, verify(leaves, st), repeats=repeats),
+         'draft': _best_ms(draft, leaves, st, repeats=repeats), 'step': _best_ms(step, leaves, st, repeats=repeats)}
+  out['commit'] = out['step'] - out['verify'] - out['accept'] - out['draft']
+  return out
+
+
+def _trees(value: str) -> list[tuple[int, ...]]:
+  try:
+    return [tuple(int(b) for b in t.split(',')) for t in value.split(';') if t.strip()]
+  except ValueError:
+    raise cli.InputError(f"--trees={value} must be trees of branchings, e.g. '1,1;3,2'") from None
+
+
 def step_bytes(model: MTPTransformer, b: int, j: int, s: int, draft_vocab: int) -> dict:
   """Bytes a step must read: trunk, unembedding (verify), per depth a head block and draft columns, KV caches."""
   cfg = model.cfg
@@ -156,8 +215,15 @@ def main(args: types.SimpleNamespace) -> dict:
     if args.draft_vocab and 4 in depths:
       settings['j4_draft_vocab'] = decode.options(args.max_new_tokens, draft_depth=4,
                                                   draft_vocab=np.arange(args.draft_vocab))
+    vocab = np.arange(args.draft_vocab) if args.draft_vocab else None
+    trees = {f"tree{'x'.join(map(str, t))}": decode.options(args.max_new_tokens, draft_depth=len(t), tree=t,
+                                                           draft_vocab=vocab) for t in _trees(args.trees)}
+    chains = {f'chain{len(t)}': decode.options(args.max_new_tokens, draft_depth=len(t), draft_vocab=vocab)
+              for t in _trees(args.trees)}
+    settings.update({**chains, **trees})
     # The same settings with x @ W (`_standard`), alternating with the default layout's.
-    standard = {f'{name}_standard': opts for name, opts in settings.items()} if args.standard_layout else {}
+    standard = {f'{name}_standard': opts for name, opts in settings.items()
+                if name.startswith('j')} if args.standard_layout else {}
     seconds = evaluate.step_seconds(model, prompts, {**settings, **standard}, pad_multiple=16,
                                     num_steps=args.steps, repeats=args.repeats,
                                     out_major=dict.fromkeys(standard, False))
@@ -167,8 +233,11 @@ def main(args: types.SimpleNamespace) -> dict:
       rates, ratios = read_rounds(model, prompts, plain_bytes, args)
       results.update(read_gb_per_s=float(np.median(rates)), read_gb_per_s_rounds=rates,
                      plain_over_bound=float(np.median(ratios)))
-    row = {}
+    row = {name: {'step_ms': 1e3 * seconds[name], 'over_plain': seconds[name] / seconds['j0']}
+           for name in {**chains, **trees}}
     for name, opts in settings.items():
+      if name in row:
+        continue
       j = opts.draft.depth
       s = decode.cache_len(p, opts)
       dv = len(opts.draft.vocab)
@@ -182,6 +251,9 @@ def main(args: types.SimpleNamespace) -> dict:
                    'over_bound': step_ms / bound_ms, 'over_plain': step_ms / (1e3 * seconds['j0'])}
     for name in standard:
       row[name] = {'step_ms': 1e3 * seconds[name], 'over_plain': seconds[name] / seconds['j0_standard']}
+    for name, opts in {**chains, **trees}.items():  # where a chain's and a tree's step goes
+      row[name]['phases_ms'] = phases_ms(model, prompts, opts, args.repeats)
+      row[name]['paths'], row[name]['nodes'] = opts.draft.paths, opts.draft.verified
     results['batches'][b] = row
     for name, r in row.items():
       results[f'b{b}/{name}/step_ms'] = r['step_ms']

@@ -56,7 +56,7 @@ def test_decode_cost_quick(tmp_path):
   from benchmarks import decode_cost  # pylint: disable=import-outside-toplevel
   decode_cost.main(decode_cost.parse_args(
       ['--model=tiny', '--batch_sizes=1', '--depths=1,4', '--draft_vocab=64', '--steps=4', '--repeats=1',
-       f'--results_dir={tmp_path}']))
+       '--trees=3,2', f'--results_dir={tmp_path}']))
   r = _read(tmp_path / 'decode_cost.json')
   for key in ('spec_over_plain_j1', 'spec_over_plain_j4', 'plain_over_bound', 'read_gb_per_s',
               'spec_over_plain_j1_standard', 'spec_over_plain_j4_standard'):
@@ -64,7 +64,12 @@ def test_decode_cost_quick(tmp_path):
   assert r['read_gb_per_s_rounds'] == [r['read_gb_per_s']]  # --repeats=1: one round beside the plain step
   row = r['batches']['1']
   names = {'j0', 'j1', 'j4', 'j4_draft_vocab'}
-  assert set(row) == names | {f'{n}_standard' for n in names}  # the training layout, side by side
+  assert set(row) == names | {f'{n}_standard' for n in names} | {'chain2', 'tree3x2'}  # the training layout too
+  for name, paths, nodes in (('chain2', 1, 3), ('tree3x2', 6, 10)):  # a tree's step, split into its phases
+    phases = row[name]['phases_ms']
+    assert (row[name]['paths'], row[name]['nodes']) == (paths, nodes)
+    assert min(phases[k] for k in ('verify', 'accept', 'draft', 'step')) > 0
+    assert phases['commit'] == pytest.approx(phases['step'] - phases['verify'] - phases['accept'] - phases['draft'])
   assert row['j0_standard']['over_plain'] == 1
   for name in names:
     x = row[name]
