@@ -4,12 +4,11 @@ Every row trains on the frozen pretrained trunk (configs/smollm2_mtpd.py). Rows:
 the same head looped to draft depth 8 without training (MTP-D*: depth j reuses head 1); and
 trained looping 1 -> 2 -> 4 -> 8, where each stage copies the trained heads and trains only the
 copies. A sweep trains the K=1 head once: the training-free row evaluates it, and the trained
-loop continues from it (experiment.training_plans). `smollm2_looped:quick` runs on two CPU cores in
-at most about 25 minutes. `smollm2_looped:cpu` is the two-core recipe of smollm2_mtpd:cpu (the frozen
-trunk's cached states) with one head, 200 steps, and a loop to depth 4 (1 -> 2 -> 4, 50 steps per
-stage): depth 8 would add two more evaluated depths and a stage of eight heads. At bfdf364 it took
-1 h 34 min from an empty cache, alone on two cores (docs/results.md), 44 minutes of which were the
-three rows' decoding evaluations at 64 prompts per set.
+loop continues from it (experiment.training_plans). `smollm2_looped:cpu` is the two-core recipe of
+smollm2_mtpd:cpu (the frozen trunk's cached states and teacher, heads over its head vocabulary)
+with one head, 200 steps, and a loop to depth 4 (1 -> 2 -> 4, 50 steps per stage): depth 8 would
+add two more evaluated depths and a stage of eight heads. Its times are in docs/results.md; the
+run published there predates the head vocabulary.
 """
 
 from configs import smollm2_mtpd
