@@ -33,10 +33,9 @@ from absl import flags
 from flax import nnx
 
 from benchmarks import common
-from mtpd_jax import decode, drafting, sampling
+from mtpd_jax import decode, drafting
 from mtpd_jax.harness import cli, evaluate, gguf_llama
 from mtpd_jax.model import ModelConfig, MTPTransformer, cache_mask, init_cache
-from mtpd_jax.shifts import gather_at
 
 TINY = ModelConfig(vocab_size=256, dim=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
                    mlp_dim=192, num_mtp_heads=4, max_seq_len=512)
@@ -134,33 +133,25 @@ def parts_ms(model: MTPTransformer, b: int, j: int, s: int, vocab_size: int, rep
 def phases_ms(model: MTPTransformer, prompts, opts, repeats: int) -> dict:
   """Milliseconds of each phase of one speculative step (a chain's or a tree's), each jitted alone on
   the state a few steps into decoding: `verify` (the trunk and main logits over the verified
-  positions: a tree's nodes in one tree attention pass), `accept` (choosing what is accepted, and
-  for a tree compacting the winning path's rows and cache slots), `draft` (the head passes) and
-  `commit`, the whole step less those three (writing the emitted tokens and hidden states)."""
+  nodes in one tree attention pass, a chain's being its drafts), `accept` (choosing the path and
+  what is accepted along it, and for a tree copying that path's cache slots into place), `draft`
+  (the head passes) and `commit`, the whole step less those three (writing the emitted tokens and hidden states)."""
   structure, leaves = decode.split(model)
   plan, j = opts.draft, opts.draft.depth
   prompt_BxP, lens_B = decode.pad_prompts(prompts, 16)
   st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
                                                               jax.random.key(0), opts), opts, 4)
   vocab = lambda m: drafting.draft_vocab(m, plan.vocab) if plan.vocab else None
-  pos = lambda st: (st.length_B - 1)[:, None] + jnp.arange(j + 1)
 
   @jax.jit
   def verify(leaves, st):
-    m = decode.decoding_model(structure, leaves)
-    if plan.tree:
-      return drafting.verify_pass(m, st.tokens_BxS, st.length_B, st.caches, plan.tree)
-    h, caches = m.trunk(gather_at(st.tokens_BxS, pos(st)), pos(st), cache_mask(pos(st), st.tokens_BxS.shape[1]),
-                        st.caches)
-    return gather_at(st.tokens_BxS, pos(st)), h, m.logits(h), caches
+    return drafting.verify_pass(decode.decoding_model(structure, leaves), st.nodes_BxO, st.length_B, st.caches, plan)
 
   @jax.jit
   def accept(st, verified):
-    tokens, h, logits, caches = verified
-    if not plan.tree:
-      return sampling.verify(jax.random.key(0), tokens[:, 1:], None, logits, 0.0)
-    src, a, nxt = drafting.accept(jax.random.key(0), tokens, None, logits, plan.tree, 0.0)
-    return a, nxt, tokens[src], logits[src], h[src], drafting.keep_path(caches, st.length_B, src, plan.tree)
+    _, logits, caches = verified
+    path, a, nxt = drafting.accept(jax.random.key(0), st.nodes_BxO, None, logits, plan, 0.0)
+    return path, a, nxt, drafting.keep_path(caches, st.length_B, path, plan)
 
   @jax.jit
   def draft(leaves, st):

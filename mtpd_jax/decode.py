@@ -11,16 +11,17 @@ speculative step drafts (chain, tree, adaptive depth, draft vocabulary) is the o
 Plain step: trunk(token L) -> main logits at L -> the next token is committed at L+1.
 
 Speculative step (docs/design.md, "Metrics"), verify first then draft, so prefill ends with a draft pass too:
-  1. Verify: one trunk call over the pending token and drafts d_1..d_J at positions L..L+J gives
-     main logits at L..L+J. `sampling.verify` accepts the longest prefix d_1..d_a (greedy: equal
-     to the main argmax; sampling: the lossless min(1, p/q) rule) and picks the next token (main
-     argmax / residual sample / bonus). d_1..d_a and that token are committed (a+1 tokens per
-     trunk call). Rejected positions roll back for free: the length does not advance over them,
-     and the next verify rewrites their cache slots before any query can see them.
-  2. Draft: depth j = 1..J runs head ((j-1) mod K)+1 (training-free looping, MTP-D* of Table 8 — its own
-     weights, but its own cache, since depth j's inputs differ from depth j-K's) at the last
-     trunk position L-1, on h^{j-1} and the token L-1+j (the pending token for j = 1, then
-     d_{j-1}); the depth-j logits there give d_j, written at position L+j.
+  1. Verify: one trunk call over the drafted nodes (the pending token, then the drafts: a chain's
+     d_1..d_J at positions L..L+J, a tree's every node) gives the main logits after each.
+     `drafting.accept` accepts the longest prefix d_1..d_a of a path (greedy: equal to the main
+     argmax; sampling: the lossless min(1, p/q) rule) and picks the next token (main argmax /
+     residual sample / bonus). d_1..d_a and that token are committed (a+1 tokens per trunk call).
+     Rejected positions roll back for free: the length does not advance over them, and the next
+     verify rewrites their cache slots before any query can see them.
+  2. Draft (`drafting.draft`): depth j = 1..J runs head ((j-1) mod K)+1 (training-free looping,
+     MTP-D* of Table 8 — its own weights, but its own cache, since depth j's inputs differ from
+     depth j-K's) at the last trunk position L-1, on h^{j-1} and the token L-1+j (the pending
+     token for j = 1, then d_{j-1}); the depth-j logits there give d_j.
 
 Cache scheme (exact teacher-forced semantics). Every depth j keeps its own one-layer cache whose
 slot i must hold the keys that the teacher-forced model computes at i: from h^{j-1}_i and token
@@ -39,9 +40,10 @@ the leading drafts whose head put at least `min_prob` on its most likely token, 
 before any draw, so sampling stays lossless; verification rejects the rest (sampled: with q = 0),
 and the logits of a depth where no sequence of the batch still drafts are skipped.
 
-Tree drafts (`DraftPlan.tree`; mtpd_jax/drafting.py): each path is a batch row holding a chain as
-above, whose depth j runs once per node of depth j-1; one tree attention pass verifies the distinct
-nodes, and every row adopts the path that `drafting.accept` commits.
+Tree drafts (`DraftPlan.tree`; mtpd_jax/drafting.py): depth j runs once per node of depth j-1, on
+that node's own earlier drafts, and one tree attention pass verifies every node. The state holds
+one row per sequence plus the nodes (a chain is the tree (1, ..., 1)); paths exist only as index
+tables, and the committed path's nodes are copied into place (`drafting.keep_path`).
 
 Slots past a sequence's own window may hold stale drafts or prompt padding (ragged batches run
 on padded prompts at per-sequence positions); they are never visible, because every call writes
@@ -94,20 +96,21 @@ def options(max_new_tokens: int, *, draft_depth: int = 0, tree=(), draft_min_pro
 
 
 class DecodeState(NamedTuple):
-  """Everything a decoding step reads and writes, by position; the last three are speculative only."""
-  tokens_BxS: jax.Array           # prompt, committed tokens, then (speculative) the current drafts
+  """Everything a decoding step reads and writes, one row per sequence; the rest is speculative only."""
+  tokens_BxS: jax.Array           # prompt, then the committed tokens
   length_B: jax.Array             # committed tokens (prompt included); the last is pending
   prompt_len_B: jax.Array
   done_B: jax.Array               # stop token or max_new_tokens reached
   step: jax.Array                 # decoding steps taken (prefill excluded)
   key: jax.Array
-  caches: list[Cache]             # trunk, valid for positions < length-1 (a tree: one row per sequence)
+  caches: list[Cache]             # trunk, valid for positions < length-1
   logits_BxV: jax.Array           # main logits at length-2, from which the pending token was chosen
   accept_BxI: jax.Array | None = None          # accepted drafts at step i; -1 when not active
   h0_BxSxD: jax.Array | None = None            # trunk hidden states by position
-  head_caches: list[Cache] | None = None       # one per draft depth
-  draft_logits_BxJxV: jax.Array | None = None  # sampling only: depth-j logits that drafted tokens[length-1+j]
-  num_drafts_B: jax.Array | None = None        # adaptive depth only: drafts proposed for the next verify
+  head_caches: list[Cache] | None = None       # one per draft depth (a row per node of depth j-1)
+  nodes_BxO: jax.Array | None = None           # the pending token and the drafts (drafting.Tree's nodes)
+  draft_logits_BxOxV: jax.Array | None = None  # sampling only: the logits each node's children were drawn from
+  proposes_BxO: jax.Array | None = None        # adaptive depth only: whether each node's children are proposed
 
 
 def cache_len(prompt_len: int, opts: DecodeOptions) -> int:
@@ -117,7 +120,7 @@ def cache_len(prompt_len: int, opts: DecodeOptions) -> int:
 
 def state_bytes(cfg: ModelConfig, batch: int, prompt_len: int, opts: DecodeOptions) -> int:
   """Bytes of the decoding state of `batch` prompts of `prompt_len` tokens (shapes only, nothing runs):
-  what a decoding setting holds for its whole run, a tree's per-path rows included."""
+  what a decoding setting holds for its whole run, a tree's nodes and head caches included."""
   graphdef, params = nnx.split(nnx.eval_shape(lambda: MTPTransformer(cfg, rngs=nnx.Rngs(0))))
   prompt_BxP = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
   state = jax.eval_shape(lambda p, x, n: prefill(nnx.merge(graphdef, p), x, n, jax.random.key(0), opts),
@@ -143,11 +146,11 @@ def _commit(st: DecodeState, emit_BxJ1, n_B, opts: DecodeOptions):
 
 def _draft(model: MTPTransformer, st: DecodeState, start_B, width: int, key, opts: DecodeOptions, vocab):
   """`drafting.draft` of the state: the drafts after its pending token, and the head caches."""
-  tokens_BxS, head_caches, draft_logits_BxJxV, num_drafts_B = drafting.draft(
+  nodes_BxO, head_caches, draft_logits_BxOxV, proposes_BxO = drafting.draft(
       model, opts.draft, st.tokens_BxS, st.length_B, st.h0_BxSxD, st.head_caches, start_B, width, key, vocab,
       opts.temperature, opts.top_p)
-  return st._replace(tokens_BxS=tokens_BxS, head_caches=head_caches, draft_logits_BxJxV=draft_logits_BxJxV,
-                     num_drafts_B=num_drafts_B)
+  return st._replace(nodes_BxO=nodes_BxO, head_caches=head_caches, draft_logits_BxOxV=draft_logits_BxOxV,
+                     proposes_BxO=proposes_BxO)
 
 
 def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOptions,
@@ -173,11 +176,9 @@ def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOp
     raise ValueError('speculative decoding needs a model with MTP heads (num_mtp_heads >= 1)')
   st = st._replace(
       accept_BxI=jnp.full((b, opts.max_new_tokens), -1, jnp.int32),
-      h0_BxSxD=jnp.zeros((b, s, cfg.dim), h_BxPxD.dtype).at[:, :p].set(h_BxPxD))
-  if plan.tree:  # one row per path of the tree; the trunk caches stay one per sequence
-    st = drafting.tile(st._replace(caches=None), plan.paths, b)._replace(caches=st.caches)
-  st = st._replace(head_caches=[init_cache(cfg, b * n, s, num_layers=1)[0]  # a tree: one row per node of depth j-1
-                                for n in drafting.level_sizes(plan.tree or (1,) * plan.depth)[:-1]])
+      h0_BxSxD=jnp.zeros((b, s, cfg.dim), h_BxPxD.dtype).at[:, :p].set(h_BxPxD),
+      head_caches=[init_cache(cfg, b * n, s, num_layers=1)[0]  # a row per node of depth j-1
+                   for n in drafting.tree_of(plan).sizes[:-1]])
   return _draft(model, st, jnp.zeros_like(st.length_B), p, key_draft, opts, vocab)
 
 
@@ -186,38 +187,34 @@ def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
   """One plain decoding step, or one speculative verify + draft step when the plan drafts."""
   plan = opts.draft
   j, s = plan.depth, st.tokens_BxS.shape[1]
-  pos_BxJ1 = (st.length_B - 1)[:, None] + jnp.arange(j + 1)  # the pending token, then the drafts
+  pos_BxJ1 = (st.length_B - 1)[:, None] + jnp.arange(j + 1)  # the pending token, then the committed path
   key, key_verify, key_draft = jax.random.split(st.key, 3)
-  if plan.tree:  # one tree pass gives each row (path) its chain's view; all adopt the path committed
-    tokens_BxJ1, h_BxJ1xD, logits_BxJ1xV, caches = drafting.verify_pass(model, st.tokens_BxS, st.length_B,
-                                                                         st.caches, plan.tree)
-    src_B, accepted_B, next_B = drafting.accept(key_verify, tokens_BxJ1, st.draft_logits_BxJxV, logits_BxJ1xV,
-                                                plan.tree, opts.temperature, opts.top_p, st.num_drafts_B)
-    tokens_BxJ1, logits_BxJ1xV, h_BxJ1xD = (x[src_B] for x in (tokens_BxJ1, logits_BxJ1xV, h_BxJ1xD))
-    caches = drafting.keep_path(caches, st.length_B, src_B, plan.tree)
+  if j:  # one pass over the nodes (a chain's are its drafts); the sequence commits one path
+    h_BxOxD, logits_BxOxV, caches = drafting.verify_pass(model, st.nodes_BxO, st.length_B, st.caches, plan)
+    path_B, accepted_B, next_B = drafting.accept(key_verify, st.nodes_BxO, st.draft_logits_BxOxV, logits_BxOxV,
+                                                 plan, opts.temperature, opts.top_p, st.proposes_BxO)
+    caches = drafting.keep_path(caches, st.length_B, path_B, plan)
+    on_path_BxJ1 = jnp.asarray(drafting.tree_of(plan).path_nodes)[path_B]
+    tokens_BxJ1 = jnp.take_along_axis(st.nodes_BxO, on_path_BxJ1, axis=1)
   else:
     tokens_BxJ1 = gather_at(st.tokens_BxS, pos_BxJ1)
-    h_BxJ1xD, caches = model.trunk(tokens_BxJ1, pos_BxJ1, cache_mask(pos_BxJ1, s), st.caches)
-    logits_BxJ1xV = model.logits(h_BxJ1xD)
-    if j:
-      accepted_B, next_B = sampling.verify(key_verify, tokens_BxJ1[:, 1:], st.draft_logits_BxJxV,
-                                           logits_BxJ1xV, opts.temperature, opts.top_p, st.num_drafts_B)
-    else:
-      accepted_B = jnp.zeros_like(st.length_B)
-      next_B = sampling.choose(key_verify, logits_BxJ1xV[:, 0], opts.temperature, opts.top_p)
+    h_BxOxD, caches = model.trunk(tokens_BxJ1, pos_BxJ1, cache_mask(pos_BxJ1, s), st.caches)
+    logits_BxOxV, on_path_BxJ1 = model.logits(h_BxOxD), jnp.zeros_like(pos_BxJ1)
+    accepted_B = jnp.zeros_like(st.length_B)
+    next_B = sampling.choose(key_verify, logits_BxOxV[:, 0], opts.temperature, opts.top_p)
   # Emit d_1..d_a, then the main head's token at index a.
   idx_J1 = jnp.arange(j + 1)
   emit_BxJ1 = jnp.where(idx_J1 == accepted_B[:, None], next_B[:, None], jnp.roll(tokens_BxJ1, -1, axis=1))
   new = _commit(st, emit_BxJ1, accepted_B + 1, opts)
   emitted_B = new.length_B - st.length_B  # a+1, or fewer after a stop token or max_new_tokens
-  last_B = jnp.maximum(emitted_B - 1, 0)  # the main logits that chose the new pending token
-  logits_BxV = jnp.take_along_axis(logits_BxJ1xV, last_B[:, None, None], axis=1)[:, 0]
+  last_B = jnp.take_along_axis(on_path_BxJ1, jnp.maximum(emitted_B - 1, 0)[:, None], axis=1)  # the node whose
+  logits_BxV = jnp.take_along_axis(logits_BxOxV, last_B[..., None], axis=1)[:, 0]  # logits chose the pending token
   new = new._replace(step=st.step + 1, key=key, caches=caches,
                      logits_BxV=jnp.where(emitted_B[:, None] > 0, logits_BxV, st.logits_BxV))
   if not j:
     return new
   new = new._replace(
-      h0_BxSxD=write_at(st.h0_BxSxD, pos_BxJ1, h_BxJ1xD),
+      h0_BxSxD=write_at(st.h0_BxSxD, pos_BxJ1, jnp.take_along_axis(h_BxOxD, on_path_BxJ1[..., None], axis=1)),
       accept_BxI=st.accept_BxI.at[:, st.step].set(jnp.where(st.done_B, -1, accepted_B), mode='drop'))
   return _draft(model, new, jnp.maximum(new.length_B - 1 - 2 * j, 0), 2 * j, key_draft, opts, vocab)
 
@@ -295,8 +292,7 @@ def jit_generate(structure: Structure, leaves, prompt_BxP, prompt_len_B, key, op
   st = prefill(model, prompt_BxP, prompt_len_B, key, opts, vocab)
   st = jax.lax.while_loop(lambda s: (s.step < opts.max_new_tokens) & ~jnp.all(s.done_B),
                           lambda s: step(model, s, opts, vocab), st)
-  first = slice(None, None, opts.draft.paths)  # a tree's rows of a sequence agree: keep one
-  return st.tokens_BxS[first], st.length_B[first], None if st.accept_BxI is None else st.accept_BxI[first]
+  return st.tokens_BxS, st.length_B, st.accept_BxI
 
 
 def pad_prompts(prompts, multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,5 @@
-"""Token choice from logits: the temperature/top-p transform, sampling, and speculative verification.
+"""Token choice from logits: the temperature/top-p transform, sampling, and the speculative-sampling
+test and residual that `drafting.accept` verifies drafts with.
 
 Pure array functions shared by plain and speculative decoding, so both draw from exactly the same
 distribution. `temperature == 0` means greedy (argmax, first index on ties); it is a Python float,
@@ -49,40 +50,3 @@ def accept_draft(u_BxJ, p_draft_BxJ, q_draft_BxJ):
   """Speculative-sampling test: accept a draft with probability min(1, p/q) (u ~ U[0, 1))."""
   return u_BxJ * q_draft_BxJ < p_draft_BxJ
 
-
-def verify(key, drafts_BxJ, draft_logits_BxJxV, logits_BxJ1xV, temperature: float, top_p: float = 1.0,
-           num_drafts_B=None):
-  """Accepted-prefix length a_B and the token that follows the accepted drafts.
-
-  `logits_BxJ1xV[:, j]` is the main head after the pending token and drafts 1..j, so it is the
-  target distribution of draft j+1 (and, at j = J, of the bonus token). Greedy: draft j is
-  accepted iff it equals the main argmax, and the next token is the main argmax after the accepted
-  prefix. Sampling (Leviathan et al. 2023; Chen et al. 2023): draft j ~ q_j is accepted with
-  probability min(1, p_j/q_j); at the first rejection the next token is drawn from the
-  normalised residual max(0, p - q), and after J acceptances from p_{J+1}; the emitted tokens
-  then follow the main head's sampling distribution exactly.
-
-  `num_drafts_B` (adaptive depth): only drafts 1..n were proposed; the rest are rejected and have
-  q = 0, so after n acceptances the next token is drawn from p_{n+1} itself, as after J.
-  """
-  b, j = drafts_BxJ.shape
-  proposed_BxJ = True if num_drafts_B is None else jnp.arange(j) < num_drafts_B[:, None]
-  if temperature == 0.0:
-    target_BxJ1 = jnp.argmax(logits_BxJ1xV, axis=-1).astype(jnp.int32)
-    ok_BxJ = (drafts_BxJ == target_BxJ1[:, :j]) & proposed_BxJ
-    a_B = jnp.sum(jnp.cumprod(ok_BxJ, axis=1), axis=1).astype(jnp.int32)
-    return a_B, jnp.take_along_axis(target_BxJ1, a_B[:, None], axis=1)[:, 0]
-  key_u, key_next = jax.random.split(key)
-  p_BxJ1xV = probs(logits_BxJ1xV, temperature, top_p)
-  q_BxJxV = probs(draft_logits_BxJxV, temperature, top_p)
-  if num_drafts_B is not None:
-    q_BxJxV = jnp.where(proposed_BxJ[..., None], q_BxJxV, 0.0)
-  p_draft_BxJ = jnp.take_along_axis(p_BxJ1xV[:, :j], drafts_BxJ[..., None], axis=-1)[..., 0]
-  q_draft_BxJ = jnp.take_along_axis(q_BxJxV, drafts_BxJ[..., None], axis=-1)[..., 0]
-  ok_BxJ = accept_draft(jax.random.uniform(key_u, (b, j)), p_draft_BxJ, q_draft_BxJ) & proposed_BxJ
-  a_B = jnp.sum(jnp.cumprod(ok_BxJ, axis=1), axis=1).astype(jnp.int32)
-  # q after the last draft is zero, so the "residual" after J acceptances is p_{J+1} itself.
-  q_BxJ1xV = jnp.concatenate([q_BxJxV, jnp.zeros_like(q_BxJxV[:, :1])], axis=1)
-  p_BxV = jnp.take_along_axis(p_BxJ1xV, a_B[:, None, None], axis=1)[:, 0]
-  q_BxV = jnp.take_along_axis(q_BxJ1xV, a_B[:, None, None], axis=1)[:, 0]
-  return a_B, categorical(key_next, residual(p_BxV, q_BxV))

@@ -15,6 +15,7 @@ from benchmarks import decode_speed
 from mtpd_jax import decode, drafting, metrics, sampling
 from mtpd_jax.harness import evaluate
 from mtpd_jax.model import ModelConfig, MTPTransformer, cache_mask
+from mtpd_jax.shifts import write_at
 
 CFG = ModelConfig(vocab_size=32, dim=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
                   mlp_dim=64, num_mtp_heads=2, max_seq_len=128)
@@ -78,7 +79,11 @@ def _decode_trace(structure, leaves, prompt_BxP, prompt_len_B, opts, num_steps):
   model = structure.merge(leaves)
   st = decode.prefill(model, prompt_BxP, prompt_len_B, jax.random.key(0), opts)
   def body(st, _):
-    return decode.step(model, st, opts), (st.tokens_BxS, st.length_B, st.logits_BxV, st.draft_logits_BxJxV)
+    # The committed tokens, then (speculative) the chain's drafts after the pending token.
+    buffer_BxS = st.tokens_BxS if st.nodes_BxO is None else write_at(
+        st.tokens_BxS, (st.length_B - 1)[:, None] + jnp.arange(st.nodes_BxO.shape[1]), st.nodes_BxO)
+    draft_logits = None if st.draft_logits_BxOxV is None else st.draft_logits_BxOxV[:, :-1]  # the leaf drafts none
+    return decode.step(model, st, opts), (buffer_BxS, st.length_B, st.logits_BxV, draft_logits)
   st, trace = jax.lax.scan(body, st, length=num_steps)
   return trace, st.accept_BxI
 
@@ -223,9 +228,9 @@ def _drafted_ids(structure, leaves, prompts, opts, num_steps=MAX_NEW):
   st = decode.jit_prefill(structure, leaves, prompt_BxP, lens_B, jax.random.key(0), opts)
   ids = set()
   for _ in range(num_steps):
-    tokens_RxS, length_R, done_R = map(np.asarray, (st.tokens_BxS, st.length_B, st.done_B))
-    for tokens_S, n, done in zip(tokens_RxS, length_R, done_R):
-      ids.update([] if done else tokens_S[n:n + opts.draft.depth].tolist())
+    nodes_BxO, done_B = map(np.asarray, (st.nodes_BxO, st.done_B))
+    for nodes_O, done in zip(nodes_BxO, done_B):
+      ids.update([] if done else nodes_O[1:].tolist())  # node 0 is the pending token
     st = decode.jit_steps(structure, leaves, st, opts, 1)
   return ids
 
@@ -311,9 +316,10 @@ def test_adaptive_depth_keeps_greedy_output_and_proposes_the_confident_prefix(mo
   opts = decode.options(MAX_NEW, draft_depth=3, temperature=1.0, draft_min_prob=0.6)
   st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
                                                               jax.random.key(0), opts), opts, 2)
-  top_BxJ = np.asarray(jnp.max(sampling.probs(st.draft_logits_BxJxV, 1.0), axis=-1))
-  np.testing.assert_array_equal(st.num_drafts_B, np.cumprod(top_BxJ >= 0.6, axis=1).sum(1))
-  assert 0 < st.num_drafts_B.min() < 3 or 0 < st.num_drafts_B.max() < 3
+  top_BxJ = np.asarray(jnp.max(sampling.probs(st.draft_logits_BxOxV[:, :3], 1.0), axis=-1))  # a chain's nodes
+  proposed_B = np.asarray(st.proposes_BxO[:, :3]).sum(1)  # node j-1 proposes draft j
+  np.testing.assert_array_equal(proposed_B, np.cumprod(top_BxJ >= 0.6, axis=1).sum(1))
+  assert 0 < proposed_B.min() < 3 or 0 < proposed_B.max() < 3
   with pytest.raises(ValueError, match='draft_min_prob=1.5'):
     decode.generate(models['random'], prompts, max_new_tokens=2, draft_depth=1, draft_min_prob=1.5)
 
@@ -323,8 +329,9 @@ def _proposed_and_accepted(structure, leaves, prompt_BxP, prompt_len_B, opts, nu
   """Per step, the drafts each sequence proposed (adaptive depth) and how many were accepted."""
   model = structure.merge(leaves)
   st = decode.prefill(model, prompt_BxP, prompt_len_B, jax.random.key(0), opts)
-  st, proposed_IxB = jax.lax.scan(lambda st, _: (decode.step(model, st, opts), st.num_drafts_B), st,
-                                  length=num_steps)
+  depth = opts.draft.depth
+  st, proposed_IxB = jax.lax.scan(lambda st, _: (decode.step(model, st, opts), jnp.sum(st.proposes_BxO[:, :depth], 1)),
+                                  st, length=num_steps)
   return proposed_IxB.T, st.accept_BxI[:, :num_steps]
 
 
@@ -354,9 +361,9 @@ def test_adaptive_depth_never_accepts_a_draft_it_did_not_propose(trained, temper
   assert (proposed < 3).any() and (accepted == proposed).any() and (accepted < proposed).any()
 
 
-def _drawn_draft_probability(logits_BxV, draft_B, temperature, top_p):  # a broken rule: it reads the draw
+def _drawn_draft_probability(logits_BxV, drafts_BxC, temperature, top_p):  # a broken rule: it reads the draw
   p_BxV = sampling.probs(logits_BxV, temperature or 1.0, top_p)
-  return jnp.take_along_axis(p_BxV, draft_B[:, None], axis=-1)[:, 0]
+  return jnp.take_along_axis(p_BxV, drafts_BxC[:, :1], axis=-1)[:, 0]
 
 
 @pytest.mark.parametrize('broken', [False, True])
@@ -397,28 +404,25 @@ def test_sampled_tree_is_lossless_and_catches_siblings_tested_without_the_residu
     assert pvalue > 1e-3 and impossible == 0
 
 
-def test_sampled_tree_rows_agree_on_shared_nodes_and_siblings_are_independent_draws(sampling_setup):
-  """Rows (paths) through one node hold its one draft, rows under one parent read one q, and the
-  siblings are independent draws from it: two of them agree as often as sum(q^2) says."""
+def test_sampled_tree_siblings_are_independent_draws_from_their_parents_q(sampling_setup):
+  """A node's children are b_j independent draws from the q its head gives: two siblings agree as
+  often as sum(q^2) says, and the children of different parents read their own parents' q."""
   model, prompt, _ = sampling_setup
-  tree, paths = (3, 2), 6
+  tree = (3, 2)
   opts = decode.options(3, draft_depth=2, temperature=TEMPERATURE, top_p=TOP_P, tree=tree)
   structure, leaves = decode.split(model)
   st = decode.jit_prefill(structure, leaves, *decode.pad_prompts([prompt] * 2048), jax.random.key(5), opts)
-  pending = len(prompt)
-  drafts_BxPxJ = np.asarray(st.tokens_BxS[:, pending + 1:pending + 3]).reshape(-1, paths, 2)
-  q_BxPxJxV = np.asarray(sampling.probs(st.draft_logits_BxJxV, TEMPERATURE, TOP_P)).reshape(-1, paths, 2, 8)
-  nodes_PxJ1 = drafting.path_nodes(tree)
-  for p in range(paths):
-    for o in range(paths):
-      for j in range(2):
-        if nodes_PxJ1[p, j + 1] == nodes_PxJ1[o, j + 1]:
-          np.testing.assert_array_equal(drafts_BxPxJ[:, p, j], drafts_BxPxJ[:, o, j])
-        if nodes_PxJ1[p, j] == nodes_PxJ1[o, j]:
-          np.testing.assert_array_equal(q_BxPxJxV[:, p, j], q_BxPxJxV[:, o, j])
-  agree = np.mean(np.sum(q_BxPxJxV[:, 0, 0] ** 2, axis=-1))  # P(two independent depth-1 draws agree)
-  same = np.mean(drafts_BxPxJ[:, 0, 0] == drafts_BxPxJ[:, 2, 0])  # paths 0 and 2: siblings at depth 1
+  nodes_BxO = np.asarray(st.nodes_BxO)
+  q_BxOxV = np.asarray(sampling.probs(st.draft_logits_BxOxV, TEMPERATURE, TOP_P))
+  assert nodes_BxO.shape[1] == 10  # the root, 3 nodes at depth 1, 6 at depth 2
+  agree = np.mean(np.sum(q_BxOxV[:, 0] ** 2, axis=-1))  # P(two independent draws from the root's q agree)
+  same = np.mean(nodes_BxO[:, 1] == nodes_BxO[:, 3])  # nodes 1 and 3: siblings at depth 1
   assert abs(same - agree) < 0.04 and agree < 0.8  # 2048 pairs: 4 standard errors
+  # Node 1's children (4, 5) and node 2's (6, 7) come from different q's: their laws differ.
+  for parent, children in ((1, (4, 5)), (2, (6, 7))):
+    for child in children:  # each child is drawn from its parent's q: the empirical law matches it
+      freq_V = np.bincount(nodes_BxO[:, child], minlength=8) / len(nodes_BxO)
+      np.testing.assert_allclose(freq_V, q_BxOxV[:, parent].mean(0), atol=0.05)
 
 
 def test_sampled_siblings_raise_the_acceptance_length(trained):
@@ -458,50 +462,45 @@ def test_a_tree_that_cannot_run_is_refused_in_one_line(models):
 
 
 def test_tree_caches_hold_exactly_the_committed_tokens_states(trained):
-  """After tree steps, the trunk cache (one row per sequence) holds at each committed position the
-  keys and values that a teacher-forced pass over the committed tokens gives, and every path's row
-  the same tokens and hidden states: the accepted path was compacted into place, as a chain has it."""
+  """After tree steps, the trunk cache holds at each committed position the keys and values that a
+  teacher-forced pass over the committed tokens gives, and the hidden states those positions' own:
+  the accepted path was compacted into place, as a chain has it."""
   structure, leaves = decode.split(trained)
   prompt_BxP, lens_B = decode.pad_prompts(_prompts(), 16)
   opts = decode.options(MAX_NEW, draft_depth=3, tree=(3, 1, 2))
   st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
                                                               jax.random.key(0), opts), opts, 4)
-  paths = 6
-  tokens_RxS, length_R = np.asarray(st.tokens_BxS), np.asarray(st.length_B)
-  assert (length_R.reshape(-1, paths) == length_R[::paths, None]).all()
-  assert all(c['k'].shape[0] == len(lens_B) for c in st.caches)  # one trunk cache row per sequence
-  committed_BxS = tokens_RxS[::paths, :length_R.max()]
-  ref = decode.jit_prefill(structure, leaves, committed_BxS, length_R[::paths],  # a chain prefill: it keeps h
+  tokens_BxS, length_B = np.asarray(st.tokens_BxS), np.asarray(st.length_B)
+  # one row per sequence, holding the root and the 3 + 3 + 6 drafts
+  assert st.nodes_BxO.shape == (len(lens_B), 13) and st.h0_BxSxD.shape[0] == len(lens_B)
+  ref = decode.jit_prefill(structure, leaves, tokens_BxS[:, :length_B.max()], length_B,  # a chain prefill: keeps h
                            jax.random.key(0), decode.options(1, draft_depth=1))
-  for r in range(len(length_R)):
-    b, n = r // paths, length_R[r] - 1  # the trunk has run positions < the pending one
-    np.testing.assert_array_equal(tokens_RxS[r, :n + 1], tokens_RxS[b * paths, :n + 1])
-    np.testing.assert_allclose(st.h0_BxSxD[r, :n], ref.h0_BxSxD[b, :n], atol=1e-4, rtol=1e-4)
-    if r % paths == 0:
-      for got, want in zip(st.caches, ref.caches):
-        for name in ('k', 'v'):
-          np.testing.assert_allclose(got[name][b, :, :n], want[name][b, :, :n], atol=1e-4, rtol=1e-4)
-  assert (length_R[::paths] >= lens_B + 5).all()  # prefill and 4 steps each emitted
+  for b, length in enumerate(length_B):
+    n = length - 1  # the trunk has run positions < the pending one
+    np.testing.assert_allclose(st.h0_BxSxD[b, :n], ref.h0_BxSxD[b, :n], atol=1e-4, rtol=1e-4)
+    for got, want in zip(st.caches, ref.caches):
+      for name in ('k', 'v'):
+        np.testing.assert_allclose(got[name][b, :, :n], want[name][b, :, :n], atol=1e-4, rtol=1e-4)
+  assert (length_B >= lens_B + 5).all()  # prefill and 4 steps each emitted
 
 
 @pytest.mark.parametrize('tree', [(2,), (3, 1, 2)])
 def test_the_tree_pass_gives_each_path_what_a_chain_verify_of_its_drafts_gives(models, tree):
   """The tree attention mask lets a node see the committed prefix and exactly its ancestors: each
   path's main logits and hidden states from the one tree pass equal those of a chain verify call
-  over that path's pending token and drafts (the batched-paths reference)."""
+  over that path's pending token and drafts."""
   model = models['trained']
   structure, leaves = decode.split(model)
   prompt_BxP, lens_B = decode.pad_prompts(_prompts(), 16)
   opts = decode.options(MAX_NEW, draft_depth=len(tree), tree=tree)
   st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
                                                               jax.random.key(0), opts), opts, 2)
-  tokens_RxJ1, h_RxJ1xD, logits_RxJ1xV, _ = drafting.verify_pass(model, st.tokens_BxS, st.length_B,
-                                                                   st.caches, tree)
-  paths = drafting.num_paths(tree)
-  pos_RxJ1 = (st.length_B - 1)[:, None] + jnp.arange(len(tree) + 1)
-  np.testing.assert_array_equal(tokens_RxJ1, np.take_along_axis(np.asarray(st.tokens_BxS), np.asarray(pos_RxJ1), 1))
-  assert len(np.unique(np.asarray(tokens_RxJ1)[:paths], axis=0)) > 1  # the paths do differ
-  row_caches = drafting.tile(st.caches, paths, len(lens_B))
-  h_want, _ = model.trunk(tokens_RxJ1, pos_RxJ1, cache_mask(pos_RxJ1, st.tokens_BxS.shape[1]), row_caches)
-  np.testing.assert_allclose(h_RxJ1xD, h_want, atol=1e-4, rtol=1e-4)
-  np.testing.assert_allclose(logits_RxJ1xV, model.logits(h_want), atol=1e-4, rtol=1e-4)
+  h_BxOxD, logits_BxOxV, _ = drafting.verify_pass(model, st.nodes_BxO, st.length_B, st.caches, opts.draft)
+  nodes_PxJ1 = drafting.path_nodes(tree)
+  assert len(np.unique(np.asarray(st.nodes_BxO)[:, nodes_PxJ1], axis=1)[0]) > 1  # the paths do differ
+  pos_BxJ1 = (st.length_B - 1)[:, None] + jnp.arange(len(tree) + 1)
+  for path in nodes_PxJ1:
+    tokens_BxJ1 = st.nodes_BxO[:, path]
+    h_want, _ = model.trunk(tokens_BxJ1, pos_BxJ1, cache_mask(pos_BxJ1, st.tokens_BxS.shape[1]), st.caches)
+    np.testing.assert_allclose(h_BxOxD[:, path], h_want, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits_BxOxV[:, path], model.logits(h_want), atol=1e-4, rtol=1e-4)
