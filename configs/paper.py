@@ -3,9 +3,9 @@
 Text: ShareGPT chat plus Python standard-library source, byte-level BPE of 8,192 tokens.
 Protocol: a plain LM is pretrained once (`base.steps`, cached) and each variant continues from
 it with main model and heads training jointly, as the paper's continued pre-training; then real
-speculative decoding on held-out chat, code and math prompts. Sized so that a sweep of six
-variants runs in about 20 minutes on two CPU cores; `NAME:quick` shrinks everything to a smoke
-run of a few minutes (CI, notebooks).
+speculative decoding on held-out chat, code and math prompts. Sized for two CPU cores
+(docs/results.md gives each sweep's wall time); `NAME:quick` shrinks everything to a smoke run
+(CI, notebooks).
 """
 
 from configs import base

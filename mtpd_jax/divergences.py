@@ -145,7 +145,7 @@ def detached_divergence(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, 
 def _aligned(t_BxTxV, s_BxTxV, thr_BxT, s_thr_BxT, t_lse_BxT, shift, renormalize, s_lse_R=None):
   """The shifted teacher's selection and both log-probabilities, as rows R = B·T aligned with the
   student's rows: XLA:CPU's vectorised reductions need whole 2-D arrays (an offset slice, or a
-  leading dimension of 1, falls back to a loop 10-20x slower than a copy)."""
+  leading dimension of 1, falls back to a scalar loop, far slower than a copy; docs/design.md)."""
   t_BxTxV = shift_left(t_BxTxV, shift)
   thr_BxT = shift_left(thr_BxT, shift, fill=-jnp.inf)  # rows past the end: select everything
   t_lse_BxT = jax.tree.map(lambda x: shift_left(x, shift), t_lse_BxT)

@@ -92,8 +92,8 @@ def materialize_grad(x):
   """Identity whose cotangent is written to memory before it flows back (on CPU; a no-op elsewhere).
 
   XLA:CPU otherwise fuses the whole loss gradient into the transposing copy that feeds the
-  unembedding's weight-gradient matmul, evaluating it in column order (5-10x slower than the
-  loss gradient plus a plain transpose). A conditional is the one boundary it never fuses across
+  unembedding's weight-gradient matmul, evaluating it in column order, much slower than the
+  loss gradient plus a plain transpose (docs/design.md). A conditional is the one boundary it never fuses across
   (an optimization barrier is dropped before fusion on CPU).
   """
   return x
@@ -258,7 +258,7 @@ def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, t
                                                       cfg.detach, cfg.teacher)
   logits_BxTxV, mtp_logits_KxBxTxV = materialize_grad((logits_BxTxV, mtp_logits_KxBxTxV))
   # Split, not index: the cotangents of the heads are then concatenated, where indexing would
-  # add K zero-padded [K, B, T, V] arrays, which XLA:CPU re-reads K times (3x slower step).
+  # add K zero-padded [K, B, T, V] arrays, which XLA:CPU re-reads K times.
   heads = [h[0] for h in jnp.split(mtp_logits_KxBxTxV, num_heads)] if num_heads else []
   main_mask_BxT = target_mask(segment_ids_BxT, target_segment_ids_BxT, 0)
   main_xent = masked_mean(xent(logits_BxTxV, targets_BxT), main_mask_BxT)

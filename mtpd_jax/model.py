@@ -75,7 +75,7 @@ class ParamKeys:
   nnx's stream gives fold_in(key, count) and then adds 1 to its count; this gives fold_in(key,
   count + i) for the i-th parameter and writes count + n back once in `close`. Under tracing
   (`nnx.eval_shape`, a jitted init) every count update costs time linear in the trace so far, which
-  made building a 30-layer model's abstract state take 2 s (docs/design.md, "Model construction").
+  made building a deep model's abstract state slow (docs/design.md, "Model construction").
   """
 
   def __init__(self, rngs: nnx.Rngs):

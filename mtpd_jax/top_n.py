@@ -19,7 +19,7 @@ def above(d):
   """1.0 where d > 0, else 0.0, in arithmetic only: min(relu(d)·2^126, 1).
 
   XLA:CPU fuses arithmetic (not compare/select) into its vectorised reductions; a compare splits
-  the fusion and writes a [.., V] mask (about 3x slower per pass). Exact for normal d; XLA:CPU
+  the fusion and writes a [.., V] mask, an extra pass over V. Exact for normal d; XLA:CPU
   flushes a subnormal d (|x - c| < 1.2e-38) to 0, i.e. "not above".
   """
   return jnp.minimum(jnp.maximum(d, 0.0) * 2.0 ** 126, 1.0)

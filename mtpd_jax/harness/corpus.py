@@ -230,7 +230,7 @@ def _drop_contaminated(docs: list[list[tuple]]) -> tuple[list[list[tuple]], int]
     if len(text) < 16:
       raise ValueError(f'prompt {text!r} is too short to check for contamination')
     prompts.setdefault(text[:16], []).append(text)
-  # One str.find per prompt costs ~10 ms per 12 MB. Instead: offsets whose first 2 bytes start
+  # One str.find per prompt would scan the whole corpus once per prompt. Instead: offsets whose first 2 bytes start
   # some prompt (a table look-up), then whose 16 bytes (two 8-byte words) do, then verify.
   table = np.zeros(1 << 16, bool)
   table[[int.from_bytes(k[:2], 'little') for k in prompts]] = True

@@ -114,7 +114,7 @@ def teacher_forced(model: MTPTransformer, prompts, continuations, draft_depth: i
   as `heldout_metrics` counts them, from the same forward pass).
 
   Runs `batch_size` sequences at a time and keeps only the argmax ids: the logits of a whole
-  prompt set at once (B x T x V, times 1 + J) took gigabytes and minutes on a real vocabulary.
+  prompt set at once (B x T x V, times 1 + J) is gigabytes on a real vocabulary.
   """
   seqs = [np.concatenate([p, c]) for p, c in zip(prompts, continuations)]
   tokens_BxT, _ = decode.pad_prompts(seqs, 64)
