@@ -5,13 +5,13 @@ import dataclasses
 import math
 import numbers
 import os
-from typing import Any, Callable, NamedTuple
 
 import ml_collections
 from flax import traverse_util
 
 from mtpd_jax import data, decode, losses, sharding
 from mtpd_jax.harness import corpus, export, pretrained, prompts, recipe, text_corpus, trunk_cache
+from mtpd_jax.harness.rules import Rule, flag, integer, is_int, is_real, one_of, optional, real, text
 
 
 # What every field of configs/base.py may hold. One rule per field, in base.py's order; a test
@@ -20,82 +20,11 @@ from mtpd_jax.harness import corpus, export, pretrained, prompts, recipe, text_c
 # expectation. Bounds given as a field name ('model.vocab_size') are read from the same config.
 
 
-class Rule(NamedTuple):
-  doc: str                                  # what the field accepts, for the config reference
-  bad: Callable[[Any, Any], str | None]     # (value, config) -> None, or what the value should be
-
-
-def _field(config, name: str):
-  for key in name.split('.'):
-    config = config[key]
-  return config
-
-
-def _is_int(v) -> bool:
-  return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _is_real(v) -> bool:  # finite: NaN and inf are refused everywhere
-  return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _limit(config, bound) -> tuple[Any, str]:
-  """A bound and its words: 8 -> (8, '8'); 'model.vocab_size' -> (8192, 'model.vocab_size=8192')."""
-  if isinstance(bound, str):
-    value = _field(config, bound)
-    return value, f'{bound}={value}'
-  return bound, f'{bound}'
-
-
-def integer(lo: int, hi=None, *, below=None) -> Rule:
-  """An int >= lo, and <= hi or < below (an int or a field name)."""
-  doc = f'int >= {lo}' if hi is None and below is None else (
-      f'int in [{lo}, {hi}]' if below is None else f'int in [{lo}, {below})')
-
-  def bad(v, c):
-    top = None if hi is None and below is None else _limit(c, below if hi is None else hi)
-    if _is_int(v) and v >= lo and (top is None or (v <= top[0] if below is None else v < top[0])):
-      return None
-    return (f'an int >= {lo}' if top is None else
-            f'an int in [{lo}, {top[1]}]' if below is None else f'an int in [{lo}, {top[1]})')
-  return Rule(doc, bad)
-
-
-def real(lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False) -> Rule:
-  """A finite number in the interval from lo to hi (None = unbounded), open or closed at each end."""
-  words = ('a finite number' if lo is None and hi is None else
-           f'a finite number {">" if lo_open else ">="} {lo}' if hi is None else
-           f'a finite number in {"(" if lo_open else "["}{lo}, {hi}{")" if hi_open else "]"}')
-
-  def bad(v, c):
-    ok = _is_real(v) and (lo is None or (v > lo if lo_open else v >= lo)) and (
-        hi is None or (v < hi if hi_open else v <= hi))
-    return None if ok else words
-  return Rule(words.removeprefix('a '), bad)
-
-
-def flag() -> Rule:
-  return Rule('True | False', lambda v, c: None if isinstance(v, bool) else 'True or False')
-
-
-def text() -> Rule:
-  return Rule('str', lambda v, c: None if isinstance(v, str) else 'a string')
-
-
-def one_of(*choices) -> Rule:
-  return Rule(' | '.join(map(repr, choices)), lambda v, c: None if v in choices else f'one of {choices}')
-
-
-def optional(rule: Rule) -> Rule:
-  return Rule(f'None | {rule.doc}', lambda v, c: None if v is None else (
-      None if rule.bad(v, c) is None else f'None or {rule.bad(v, c)}'))
-
-
 def _beta(v, c):
   k = c.mtp.num_heads
-  if v is None or (_is_real(v) and v >= 0):
+  if v is None or (is_real(v) and v >= 0):
     return None
-  if isinstance(v, (list, tuple)) and len(v) == k and all(_is_real(b) and b >= 0 for b in v):
+  if isinstance(v, (list, tuple)) and len(v) == k and all(is_real(b) and b >= 0 for b in v):
     return None
   if isinstance(v, (list, tuple)) and len(v) != k:
     return f'one value per head: {k} values for mtp.num_heads={k}'
@@ -106,7 +35,7 @@ def _trainable(v, c):
   k = c.mtp.num_heads
   if v == 'all' or (v == 'mtp_heads' and k >= 1):
     return None
-  if (isinstance(v, (list, tuple)) and v and all(_is_int(h) and 1 <= h <= k for h in v)
+  if (isinstance(v, (list, tuple)) and v and all(is_int(h) and 1 <= h <= k for h in v)
       and len(set(v)) == len(v)):
     return None
   return (f"'all', 'mtp_heads' or a non-empty list of distinct head indices in 1..mtp.num_heads={k}"
@@ -115,19 +44,19 @@ def _trainable(v, c):
 
 def _increasing_heads(v, c):
   v = tuple(v) if isinstance(v, (list, tuple)) else v
-  ok = v == () or (isinstance(v, tuple) and all(_is_int(n) for n in v) and v[0] >= 1
+  ok = v == () or (isinstance(v, tuple) and all(is_int(n) for n in v) and v[0] >= 1
                    and all(b > a for a, b in zip(v, v[1:])))
   return None if ok else 'increasing head counts starting at >= 1, e.g. (1, 2, 4, 8), or ()'
 
 
 def _tree(v, c):
   v = tuple(v) if isinstance(v, (list, tuple)) else v
-  ok = isinstance(v, tuple) and all(_is_int(n) and n >= 1 for n in v)
+  ok = isinstance(v, tuple) and all(is_int(n) and n >= 1 for n in v)
   return None if ok else 'a tuple of branchings >= 1, one per draft depth, e.g. (3, 2, 1, 1), or ()'
 
 
 def _mesh_shape(v, c):
-  ok = isinstance(v, (list, tuple)) and v and all(_is_int(n) and (n >= 1 or n == -1) for n in v) and (
+  ok = isinstance(v, (list, tuple)) and v and all(is_int(n) and (n >= 1 or n == -1) for n in v) and (
       list(v).count(-1) <= 1)
   return None if ok else 'a tuple of sizes >= 1 with at most one -1 (the remaining devices)'
 
@@ -265,6 +194,8 @@ FIELD_RULES: dict[str, Rule] = {
     'eval.timing_steps': integer(1),
     'eval.timing_repeats': integer(1),
     'eval.latency_prompts': integer(0),
+    'eval.speculation': one_of('', 'auto'),
+    'eval.calibration_prompts': integer(1),
     'ckpt.every_steps': integer(0),
     'ckpt.max_to_keep': integer(1),
     'mesh.shape': Rule('sizes >= 1, at most one -1', _mesh_shape),
