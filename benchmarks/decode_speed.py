@@ -4,6 +4,7 @@
   python -m benchmarks.decode_speed --model=smollm2 [--workdir=DIR] [--batch_sizes=1,8] [--draft_vocab=0,4096]
   python -m benchmarks.decode_speed --depths=4,8 --draft_min_prob=0,0.3,0.6
   python -m benchmarks.decode_speed --depths=4 --tree=3,2,1,1
+  python -m benchmarks.decode_speed --model=smollm2 --workdir=DIR --depths=1,2 --speculation=auto
 
 --model=tiny (the default): a tiny model (8 layers, width 64) with K=4 heads is first trained for
 a few hundred steps on the learnable synthetic stream of mtpd_jax.data (arithmetic progressions
@@ -33,8 +34,12 @@ probability is below p (lossless; the logits of depths no sequence reaches are s
 threshold's tokens/forward and tokens/s against the full chain's (0).
 
 --tree=b1,...,bJ also decodes each depth J equal to the tree's length with greedy tree drafts of
-that branching (keys `..._tree`; mtpd_jax/draft_tree.py), and `tree_effect` gives its acceptance
+that branching (keys `..._tree`; mtpd_jax/drafting.py), and `tree_effect` gives its acceptance
 length (accepted drafts per step) and tokens/s against the chain's.
+
+--speculation=auto also runs the speculation planner (mtpd_jax/harness/planner.py) per batch size,
+on --calibration_prompts more prompts per set than the measured ones, and decodes every set with
+its pick (key `auto`); `auto_effect` gives its speedup over plain beside the best fixed setting's.
 
 Prints name=value lines and writes benchmarks/results/decode_speed.json (a GGUF model:
 decode_speed_<name>.json), with the date and command.
@@ -54,9 +59,9 @@ import optax
 from absl import flags
 from flax import nnx
 
-from benchmarks import common
+from benchmarks import common, decode_effects
 from mtpd_jax import data, decode
-from mtpd_jax.harness import cli, evaluate
+from mtpd_jax.harness import cli, evaluate, planner
 from mtpd_jax.model import ModelConfig, MTPTransformer
 
 # An 8-layer trunk, so that a head (one block) costs about 1/8 of a trunk forward, as in real MTP models.
@@ -139,10 +144,12 @@ def _tiny_setup(args):
   model = train_tiny(cfg, steps=args.train_steps, batch_size=args.train_batch, seq_len=args.train_seq,
                      lr=args.lr, seed=args.seed)
   info = {'train_s': time.perf_counter() - start}
-  rows = synthetic_tokens(cfg.vocab_size, args.prompt_len, range(args.num_prompts), seed=1_000_003)
+  rows = synthetic_tokens(cfg.vocab_size, args.prompt_len, range(args.num_prompts + args.calibration_prompts),
+                          seed=1_000_003)
+  info['calibration'] = list(rows[args.num_prompts:, :args.prompt_len])  # the planner's, never measured
   train_rows = lambda: synthetic_tokens(cfg.vocab_size, args.train_seq, range(args.train_steps * args.train_batch),
                                         args.seed)
-  return model, {'synthetic': list(rows[:, :args.prompt_len])}, (), 16, train_rows, info
+  return model, {'synthetic': list(rows[:args.num_prompts, :args.prompt_len])}, (), 16, train_rows, info
 
 
 def _gguf_setup(args):
@@ -177,48 +184,12 @@ def _gguf_setup(args):
     if len(xent_SxK):  # the last tenth of the steps: less batch noise
       info.update(train_xent_first=xent_SxK[0].tolist(),
                   train_xent_last=xent_SxK[-max(1, len(xent_SxK) // 10):].mean(0).tolist())
-  sets = {name: prompts.load_prompt_set(name, tokenizer=tok, max_prompts=args.num_prompts,
+  sets = {name: prompts.load_prompt_set(name, tokenizer=tok, max_prompts=args.num_prompts + args.calibration_prompts,
                                         max_prompt_tokens=args.max_prompt_tokens, chat_template=True)
           for name in args.prompt_sets.split(',')}
+  info['calibration'] = [p for ps in sets.values() for p in ps[args.num_prompts:]]  # the planner's, never measured
+  sets = {name: ps[:args.num_prompts] for name, ps in sets.items()}
   return model, sets, tok.stop_ids, 64, tokens, info
-
-
-def hf_side_by_side(model: MTPTransformer, path: str, sets: dict, b1: dict, *, stop, pad_multiple: int,
-                    args) -> dict:
-  """HF transformers (plain, prompt lookup) against our batch-1 results `b1` (set -> result) on the same prompts.
-
-  Our plain greedy outputs are decoded once more here (the same call as the timed one) for the
-  token-for-token comparison and to count the tokens behind our plain tokens/s.
-  """
-  from benchmarks import hf_generate  # pylint: disable=import-outside-toplevel
-  everything = [p for ps in sets.values() for p in ps]
-  hf = hf_generate.timed_generate(path, everything, max_new_tokens=args.max_new_tokens, stop_tokens=stop,
-                                  repeats=args.repeats, lookup_tokens=args.lookup_tokens)
-  structure, leaves = decode.split(model)
-  plain = decode.options(args.max_new_tokens, stop_tokens=stop)
-  ours = [decode.generate_split(structure, leaves, [p], plain, pad_multiple=pad_multiple).tokens[0] for p in everything]
-  plain_tokens, plain_s, spec_tokens, spec_s, i = 0, 0.0, 0, 0.0, 0
-  for name, ps in sets.items():  # seconds of each set's timed runs, recovered from its tokens/s
-    n, r = sum(map(len, ours[i:i + len(ps)])), b1[name]
-    plain_tokens, plain_s = plain_tokens + n, plain_s + n / r['plain_tokens_per_s']
-    spec_tokens, spec_s = spec_tokens + r['new_tokens'], spec_s + r['new_tokens'] / r['spec_tokens_per_s']
-    i += len(ps)
-  equal = lambda a, b: len(a) == len(b) and bool(np.all(a == b))
-  prefix = lambda a, b: int(np.argmin(np.append(a[:len(b)] == b[:len(a)], False)))
-  hf_plain, hf_lookup = hf['plain']['tokens'], hf['lookup']['tokens']
-  ours_plain_tps, ours_spec_tps = plain_tokens / plain_s, spec_tokens / spec_s
-  return {
-      'hf_prompts': len(everything), 'hf_load_s': hf['load_s'], 'hf_threads': hf['threads'],
-      'hf_plain_tokens_per_s': hf['plain']['tokens_per_s'], 'hf_lookup_tokens_per_s': hf['lookup']['tokens_per_s'],
-      'ours_plain_tokens_per_s': ours_plain_tps, 'ours_spec_tokens_per_s': ours_spec_tps,
-      'ours_plain_over_hf_plain': ours_plain_tps / hf['plain']['tokens_per_s'],
-      'ours_spec_over_hf_plain': ours_spec_tps / hf['plain']['tokens_per_s'],
-      'ours_spec_over_hf_lookup': ours_spec_tps / hf['lookup']['tokens_per_s'],
-      'hf_greedy_equal': sum(map(equal, ours, hf_plain)),  # f32 on both sides, but not bitwise: reported, not asserted
-      'hf_greedy_common_prefix_mean': float(np.mean([prefix(a, b) for a, b in zip(ours, hf_plain)])),
-      'hf_lookup_equal_hf_plain': sum(map(equal, hf_lookup, hf_plain)),
-      'hf_new_tokens': sum(map(len, hf_plain)), 'ours_new_tokens': plain_tokens,
-  }
 
 
 FLAGS = flags.FlagValues()  # this benchmark's own flags: names may repeat across benchmarks
@@ -253,6 +224,14 @@ flags.DEFINE_string('draft_min_prob', '0', 'adaptive depth: stop drafting below 
                     'the full chain); a list compares thresholds side by side', flag_values=FLAGS)
 flags.DEFINE_string('tree', '', 'tree drafts beside the chain: branching per depth, e.g. 3,2,1,1 '
                     "('' = chains only)", flag_values=FLAGS)
+flags.DEFINE_string('speculation', '', "'auto': also decode with the speculation planner's pick per batch size "
+                    '(chains up to the largest --depths, small trees, adaptive depth), calibrated on '
+                    '--calibration_prompts more prompts (per set), and compare it with the best fixed setting',
+                    flag_values=FLAGS)
+flags.DEFINE_integer('calibration_prompts', 4, 'the planner: calibration prompts (per set) past --num_prompts',
+                     flag_values=FLAGS)
+flags.DEFINE_string('planner_cache', '', 'the planner: a folder caching step costs per model shape, device and '
+                    "batch ('' = measure afresh)", flag_values=FLAGS)
 flags.DEFINE_integer('repeats', 3, 'timed passes (the best counts)', flag_values=FLAGS)
 flags.DEFINE_integer('timing_steps', None,
                      'steps of the per-step cost loops (tiny: 256, GGUF: 32)', flag_values=FLAGS)
@@ -301,59 +280,16 @@ def parse_args(argv=None) -> types.SimpleNamespace:
     raise cli.InputError(f'--tree={args.tree} must be a comma-separated list of branchings') from None
   if any(b < 1 for b in args.tree):
     raise cli.InputError(f'--tree={args.tree} must be branchings >= 1')
+  if args.speculation not in ('', 'auto'):
+    raise cli.InputError(f"--speculation={args.speculation} must be '' or 'auto'")
+  if args.calibration_prompts < 1:
+    raise cli.InputError(f'--calibration_prompts={args.calibration_prompts} must be >= 1')
   if args.out and not args.out.endswith('.json'):
     raise cli.InputError(f'--out={args.out} must name a .json file')
   if not args.out:
     name = 'smollm2' if args.model == 'smollm2' else os.path.splitext(os.path.basename(args.model))[0]
     args.out = os.path.join(common.RESULTS_DIR, 'decode_speed.json' if not gguf else f'decode_speed_{name}.json')
   return args
-
-
-def draft_vocab_effect(sets: dict, depths, vocabs) -> dict:
-  """Per set, batch and depth: each draft-vocabulary size's AR1 minus the whole vocabulary's, and its
-  speculative tokens/s over the whole vocabulary's (both decoded in this process)."""
-  out = {}
-  for name, by_batch in sets.items():
-    for b, runs in by_batch.items():
-      for depth in depths:
-        full = runs[f'depth{depth}_dv0']
-        out[f'{name}/{b}/depth{depth}'] = {
-            n: {'ar1_minus_full': runs[f'depth{depth}_dv{n}']['ar'][0] - full['ar'][0],
-                'spec_tokens_per_s_over_full': runs[f'depth{depth}_dv{n}']['spec_tokens_per_s'] / full['spec_tokens_per_s']}
-            for n in vocabs if n}
-  return out
-
-
-def adaptive_effect(sets: dict, keys: dict) -> dict:
-  """Per set, batch and chain (key without the threshold): each threshold's tokens/forward and
-  speculative tokens/s over the full chain's (threshold 0, decoded in this process)."""
-  out = {}
-  for name, by_batch in sets.items():
-    for b, runs in by_batch.items():
-      for chain, by_p in keys.items():
-        full = runs[by_p[0.0]]
-        out[f'{name}/{b}/{chain}'] = {
-            p: {'tokens_per_forward': runs[k]['tokens_per_forward'],
-                'tokens_per_forward_full': full['tokens_per_forward'],
-                'spec_tokens_per_s_over_full': runs[k]['spec_tokens_per_s'] / full['spec_tokens_per_s'],
-                'lossless': runs[k]['lossless']}
-            for p, k in by_p.items() if p}
-  return out
-
-
-def tree_effect(sets: dict, keys: dict) -> dict:
-  """Per set, batch and chain: the tree's acceptance length and tokens/forward beside the chain's,
-  and its speculative tokens/s over the chain's (both decoded in this process)."""
-  out = {}
-  for name, by_batch in sets.items():
-    for b, runs in by_batch.items():
-      for chain, tree_key in keys.items():
-        c, t = runs[chain], runs[tree_key]
-        out[f'{name}/{b}/{chain}'] = {'accept_len': t['accept_len'], 'accept_len_chain': c['accept_len'],
-                                      'tokens_per_forward': t['tokens_per_forward'],
-                                      'spec_tokens_per_s_over_chain': t['spec_tokens_per_s'] / c['spec_tokens_per_s'],
-                                      'lossless': t['lossless']}
-  return out
 
 
 def _print(prefix: str, r: dict) -> None:
@@ -368,7 +304,7 @@ def _print(prefix: str, r: dict) -> None:
 def main(args: types.SimpleNamespace) -> dict:
   gguf = args.model != 'tiny'
   model, sets, stop, pad, train_tokens, info = (_gguf_setup if gguf else _tiny_setup)(args)
-  head_ids = info.pop('head_vocab_ids', None)
+  head_ids, calibration = info.pop('head_vocab_ids', None), info.pop('calibration')
   vocabs = ({len(head_ids): head_ids} if head_ids is not None else
             {n: evaluate.frequent_tokens(np.ravel(train_tokens()), n) if n else None for n in args.draft_vocab})
   info['draft_vocab_source'] = 'the workdir\'s head vocabulary' if head_ids is not None else 'the training text'
@@ -402,24 +338,37 @@ def main(args: types.SimpleNamespace) -> dict:
         results['sets'].setdefault(name, {}).setdefault(f'b{b}', {})[key] = r
         _print(f'{name}/b{b}/{key}', r)
   if len(vocabs) > 1 and 0 in vocabs:
-    results['draft_vocab_effect'] = draft_vocab_effect(results['sets'], depths, vocabs)
+    results['draft_vocab_effect'] = decode_effects.draft_vocab_effect(results['sets'], depths, vocabs)
     for where, by_size in results['draft_vocab_effect'].items():
       for n, e in by_size.items():
         print(f"{where}/dv{n}/ar1_minus_full={e['ar1_minus_full']:+.4f} "
               f"{where}/dv{n}/spec_tokens_per_s_over_full={e['spec_tokens_per_s_over_full']:.3f}")
   if len(args.draft_min_prob) > 1 and 0 in args.draft_min_prob:
-    results['adaptive_effect'] = adaptive_effect(results['sets'], chains)
+    results['adaptive_effect'] = decode_effects.adaptive_effect(results['sets'], chains)
     for where, by_p in results['adaptive_effect'].items():
       for p, e in by_p.items():
         print(f"{where}/mp{p:g}/tokens_per_forward={e['tokens_per_forward']:.3f} (full chain "
               f"{e['tokens_per_forward_full']:.3f}) {where}/mp{p:g}/spec_tokens_per_s_over_full="
               f"{e['spec_tokens_per_s_over_full']:.3f} lossless={e['lossless']}")
   if trees:
-    results['tree_effect'] = tree_effect(results['sets'], trees)
+    results['tree_effect'] = decode_effects.tree_effect(results['sets'], trees)
     for where, e in results['tree_effect'].items():
       print(f"{where}/tree{','.join(map(str, args.tree))}/accept_len={e['accept_len']:.3f} (chain "
             f"{e['accept_len_chain']:.3f}) {where}/tree/spec_tokens_per_s_over_chain="
             f"{e['spec_tokens_per_s_over_chain']:.3f} lossless={e['lossless']}")
+  if args.speculation == 'auto':  # the planner's pick per batch size, timed against plain on every set
+    vocab = next((v for v in vocabs.values() if v is not None), None)
+    base = decode.options(args.max_new_tokens, draft_vocab=vocab, stop_tokens=stop)
+    for b in batch_sizes:
+      choice = planner.plan(model, calibration, base, batch_size=b, pad_multiple=pad, max_depth=max(depths),
+                            cache_dir=args.planner_cache or None)
+      for name, prompts in sets.items():
+        results['sets'][name][f'b{b}']['auto'] = planner.measure(model, prompts, choice, batch_size=b,
+                                                                 pad_multiple=pad, repeats=args.repeats)
+    results['auto_effect'] = decode_effects.auto_effect(results['sets'])
+    for where, e in results['auto_effect'].items():
+      print(f"{where}/auto={e['setting']} speedup={e['speedup']:.3f} best_fixed={e['best_fixed']} "
+            f"({e['best_fixed_speedup']:.3f}) over_best_fixed={e['over_best_fixed']:.3f} lossless={e['lossless']}")
   if gguf and args.hf:
     from benchmarks import hf_generate  # pylint: disable=import-outside-toplevel
     if 1 not in batch_sizes:
@@ -431,7 +380,7 @@ def main(args: types.SimpleNamespace) -> dict:
       first = chains[f'depth{depths[0]}' + (f'_dv{args.draft_vocab[0]}' if len(vocabs) > 1 else '')][
           args.draft_min_prob[0]]
       b1 = {name: results['sets'][name]['b1'][first] for name in sets}
-      results.update(hf_side_by_side(model, gguf_llama.resolve(args.model), sets, b1, stop=stop,
+      results.update(hf_generate.side_by_side(model, gguf_llama.resolve(args.model), sets, b1, stop=stop,
                                      pad_multiple=pad, args=args))
     if isinstance(results.get('hf'), str):
       print(f"hf={results['hf']}")

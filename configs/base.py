@@ -176,6 +176,12 @@ def get_config() -> ml_collections.ConfigDict:
   # > 0: also time plain and speculative decoding one prompt at a time (batch 1, the latency case)
   # on the first this many prompts of each set, beside eval.batch_size (`speedup at batch 1`)
   c.eval.latency_prompts = 0
+  # 'auto': the speculation planner (mtpd_jax/harness/planner.py) also picks the fastest lossless
+  # setting (plain, chains up to the draft depth, small trees, adaptive depth) from step costs
+  # measured on this device and acceptance on eval.calibration_prompts more prompts per set (never
+  # the measured ones), and times it against plain decoding on every set ('' = off)
+  c.eval.speculation = ''
+  c.eval.calibration_prompts = 4   # the planner's calibration prompts per set, after the eval.max_prompts measured
 
   c.ckpt = ml_collections.ConfigDict()  # orbax checkpoints of state + data iterator (mtpd_jax/checkpoint.py)
   c.ckpt.every_steps = 500        # steps between checkpoints (the last step and a preemption always save)

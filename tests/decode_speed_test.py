@@ -29,10 +29,10 @@ def test_tiny_quick(tmp_path):
   out = tmp_path / 'decode_speed.json'
   results = decode_speed.main(decode_speed.parse_args(
       QUICK + ['--train_steps=20', '--num_heads=2', '--num_layers=2', '--depths=3', '--draft_min_prob=0,0.5',
-               '--tree=2,1,1', f'--out={out}']))
+               '--tree=2,1,1', '--speculation=auto', f'--out={out}']))
   saved = json.loads(out.read_text())
   assert set(saved) >= {'model', 'num_heads', 'train_s', 'args', 'model_config', 'sets', 'meta', 'adaptive_effect',
-                        'tree_effect'}
+                        'tree_effect', 'auto_effect'}
   assert saved['meta']['command'] and saved['meta']['date'].startswith('20')
   assert list(saved['sets']) == ['synthetic'] and list(saved['sets']['synthetic']) == ['b1']
   for key, p in (('depth3_mp0', 0.0), ('depth3_mp0.5', 0.5)):  # depth 3 loops head 1 again
@@ -44,6 +44,11 @@ def test_tiny_quick(tmp_path):
   assert tree['tree'] == [2, 1, 1] and tree['lossless'] is True
   assert saved['tree_effect']['synthetic/b1/depth3_mp0']['accept_len'] == tree['accept_len']
   assert saved['sets']['synthetic']['b1']['depth3_mp0.5_tree']['lossless'] is True  # adaptive depth on a tree
+  auto, fixed = saved['auto_effect']['synthetic/b1'], saved['sets']['synthetic']['b1']
+  assert auto['setting'] in ('plain', 'chain1', 'chain2', 'chain3', 'tree2x1', 'tree3x1', 'tree2x2', 'tree3x2',
+                             'chain3@0.5') and auto['lossless'] is True
+  assert auto['speedup'] == fixed['auto']['speedup_measured'] and auto['best_fixed'] != 'auto'
+  assert auto['best_fixed_speedup'] == max(r['speedup_measured'] for k, r in fixed.items() if k != 'auto')
   effect = saved['adaptive_effect']['synthetic/b1/depth3']['0.5']
   adaptive = saved['sets']['synthetic']['b1']['depth3_mp0.5']
   assert effect['tokens_per_forward'] == adaptive['tokens_per_forward'] and effect['lossless'] is True
@@ -64,7 +69,8 @@ def test_parse_args_fills_per_model_defaults():
   for bad in ('0,1.5', 'x', '0.5,0.5'):
     with pytest.raises(cli.InputError, match='--draft_min_prob'):
       decode_speed.parse_args([f'--draft_min_prob={bad}'])
-  for flag, bad in (('depths', 'abc'), ('depths', '0'), ('batch_sizes', '1,1'), ('draft_vocab', '-1')):
+  for flag, bad in (('depths', 'abc'), ('depths', '0'), ('batch_sizes', '1,1'), ('draft_vocab', '-1'),
+                    ('speculation', 'fast'), ('calibration_prompts', '0')):
     with pytest.raises(cli.InputError, match=f'^--{flag}={bad} must be'):  # the flag is named, not int()'s words
       decode_speed.parse_args([f'--{flag}={bad}'])
   assert decode_speed.parse_args(['--tree=3,2,1,1']).tree == (3, 2, 1, 1)

@@ -15,7 +15,7 @@ import re
 import ml_collections
 
 from mtpd_jax import checkpoint, runtime, workdir_lock
-from mtpd_jax.harness import evaluate, looped, recipe, report, training, validation
+from mtpd_jax.harness import corpus, evaluate, looped, planner, recipe, report, training, validation
 
 SUMMARY = 'summary.json'
 
@@ -182,6 +182,11 @@ def _evaluate_workdir(workdir, draft_depth, *, write, defaults, config, out_dir)
                                             timing_steps=e.timing_steps, timing_repeats=e.timing_repeats,
                                             latency_prompts=e.get('latency_prompts', 0))
     print(evaluate.markdown_table(results), flush=True)
+    if e.get('speculation', '') == 'auto':  # the planner's pick, timed against plain on every set
+      choice = planner.plan(model, recipe.calibration_prompts(config), opts, batch_size=e.batch_size,
+                            cache_dir=os.path.join(config.data.cache_dir or corpus.default_cache_dir(), 'planner'))
+      for name, prompts in sets.items():
+        results[name]['auto'] = planner.measure(model, prompts, choice, batch_size=e.batch_size, repeats=e.repeats)
   if write:
     evaluate.write_report(results, out_dir, heldout)
   return {'prompt_sets': results, 'heldout': heldout}

@@ -3,6 +3,7 @@ data sources and iterators, prompt sets. Reading a ConfigDict stops here: the co
 these functions return (docs/design.md, "Two layers").
 """
 
+import copy
 import hashlib
 
 import jax
@@ -231,3 +232,16 @@ def prompt_sets(config: ml_collections.ConfigDict) -> dict[str, list[np.ndarray]
   if not sets:
     raise ValueError(f'no prompt sets for data.source={source!r}; name JSONL files in eval.jsonl')
   return sets
+
+
+def calibration_prompts(config: ml_collections.ConfigDict) -> list[np.ndarray]:
+  """The speculation planner's prompts: `eval.calibration_prompts` per set, the ones that follow the
+  `eval.max_prompts` that `prompt_sets` measures, so no measured prompt also chose the setting."""
+  e = config.eval
+  more = copy.deepcopy(config)
+  more.eval.max_prompts = e.max_prompts + e.calibration_prompts
+  out = [p for prompts in prompt_sets(more).values() for p in prompts[e.max_prompts:]]
+  if not out:
+    raise ValueError(f"eval.speculation='auto' calibrates on prompts past eval.max_prompts={e.max_prompts}, "
+                     'and no prompt set has more: lower eval.max_prompts')
+  return out
