@@ -77,3 +77,27 @@ def test_what_is_not_implemented_is_refused_in_one_line(tmp_path):
     hf_llama.check_model_config({**model, 'max_seq_len': 32, 'num_layers': 3}, f'hf:{windowed}')
   with pytest.raises(FileNotFoundError, match='not a Hugging Face checkpoint folder'):
     hf_llama.model_fields(f'hf:{tmp_path / "nowhere"}')
+
+
+def test_a_recipe_takes_the_shape_and_tokenizer_of_the_folder_it_starts_from(tmp_path):
+  """smollm2_mtpd with `train.init_from=hf:<a Qwen2 folder>`: the model's shape is the folder's, and
+  the recipe's own pretrained tokenizer ('smollm2') gives way to the folder's, unless the command
+  line names one; a shape the command line sets against the folder is refused in one line."""
+  from configs import smollm2_mtpd
+  from mtpd_jax.harness import pretrained
+  _save('qwen2', tmp_path)
+  ref = f'hf:{tmp_path}'
+  config = smollm2_mtpd.get_config('quick')
+  config.train.init_from = ref
+  pretrained.derive_model(config, {'train.init_from'})
+  assert (config.model.vocab_size, config.model.dim, config.model.num_layers, config.model.attn_bias) == (
+      96, 32, 2, True)
+  assert config.data.tokenizer == ref
+  kept = smollm2_mtpd.get_config('quick')
+  kept.train.init_from = ref
+  pretrained.derive_model(kept, {'train.init_from', 'data.tokenizer'})
+  assert kept.data.tokenizer == 'smollm2'  # named on the command line: the user's choice stands
+  clash = smollm2_mtpd.get_config('quick')
+  clash.train.init_from = ref
+  with pytest.raises(ValueError, match=r'contradicts the command line: model.dim=576 \(the checkpoint has 32\)'):
+    pretrained.derive_model(clash, {'train.init_from', 'model.dim'})

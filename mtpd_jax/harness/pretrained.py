@@ -53,7 +53,8 @@ def identity(ref: str) -> dict:
 def derive_model(config, explicit: set[str]) -> None:
   """Set `config.model`'s shape from a pretrained `train.init_from` (or the base of exported heads),
   so a user does not type it; a field the command line set (`explicit`: 'model.x' names) and the
-  checkpoint contradicts is refused in one line instead."""
+  checkpoint contradicts is refused in one line instead. A pretrained `data.tokenizer` that the
+  command line did not set becomes the checkpoint's own."""
   from mtpd_jax.harness import export  # pylint: disable=import-outside-toplevel
   ref = config.train.init_from
   ref = export.base_of(ref) if export.is_export(ref) else ref
@@ -68,6 +69,10 @@ def derive_model(config, explicit: set[str]) -> None:
     config.model[name] = value
   if bad:
     raise ValueError(f'train.init_from={ref} contradicts the command line: ' + '; '.join(bad))
+  # A recipe's pretrained tokenizer (smollm2_mtpd's 'smollm2') is its model's: another model
+  # brings its own, unless the command line names one.
+  if 'data.tokenizer' not in explicit and is_pretrained(config.data.tokenizer):
+    config.data.tokenizer = ref
 
 
 def init_params(graphdef: nnx.GraphDef, params: nnx.State, ref: str, *, trunk_heads: bool) -> nnx.State:
