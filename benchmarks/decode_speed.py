@@ -359,9 +359,11 @@ def main(args: types.SimpleNamespace) -> dict:
   if args.speculation == 'auto':  # the planner's pick per batch size, timed against plain on every set
     vocab = next((v for v in vocabs.values() if v is not None), None)
     base = decode.options(args.max_new_tokens, draft_vocab=vocab, stop_tokens=stop)
+    tpf = None  # acceptance, measured by the first plan and reused: it does not depend on the batch size
     for b in batch_sizes:
       choice = planner.plan(model, calibration, base, batch_size=b, pad_multiple=pad, max_depth=max(depths),
-                            cache_dir=args.planner_cache or None)
+                            cache_dir=args.planner_cache or None, tokens_per_forward=tpf)
+      tpf = {name: r['tokens_per_forward'] for name, r in choice.rows.items()}
       for name, prompts in sets.items():
         results['sets'][name][f'b{b}']['auto'] = planner.measure(model, prompts, choice, batch_size=b,
                                                                  pad_multiple=pad, repeats=args.repeats)

@@ -62,11 +62,15 @@ def test_plan_measures_caches_and_picks_what_its_table_says(model, prompts, tmp_
   best = max(first.rows, key=lambda n: first.rows[n]['predicted_speedup'])
   assert first.name == (best if first.rows[best]['predicted_speedup'] > 1.03 else 'plain')
   assert any('<- chosen' in line and line.split()[0] == first.name for line in lines)
-  # The costs come back from the cache: nothing is timed again, and the table repeats them.
+  # The costs come back from the cache and the acceptance from the first plan: nothing is measured again.
   monkeypatch.setattr(evaluate, 'step_seconds', lambda *a, **k: pytest.fail('a cached cost was measured again'))
-  again = planner.plan(model, prompts, opts, batch_size=2, pad_multiple=16, cache_dir=str(tmp_path), log=lines.append)
-  assert {n: r['step_cost'] for n, r in again.rows.items()} == pytest.approx(
-      {n: r['step_cost'] for n, r in first.rows.items()})
+  monkeypatch.setattr(planner, 'acceptance', lambda *a, **k: pytest.fail('a given acceptance was measured again'))
+  tpf = {n: r['tokens_per_forward'] for n, r in first.rows.items()}
+  again = planner.plan(model, prompts, opts, batch_size=2, pad_multiple=16, cache_dir=str(tmp_path),
+                       tokens_per_forward=tpf, log=lines.append)
+  assert again.name == first.name and set(again.rows) == set(first.rows)
+  for name, row in first.rows.items():
+    assert again.rows[name] == pytest.approx(row)
 
 
 def test_plain_when_nothing_pays_and_the_pick_decodes_losslessly(model, prompts, monkeypatch):

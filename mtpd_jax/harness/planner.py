@@ -111,17 +111,18 @@ def acceptance(model: MTPTransformer, prompts, settings: dict[str, decode.Decode
 
 def plan(model: MTPTransformer, prompts, opts: decode.DecodeOptions, *, batch_size: int, pad_multiple: int = 64,
          cache_dir: str | None = None, max_depth: int = 0, max_new_tokens: int = 48, margin: float = 0.03,
-         log=print) -> Choice:
+         tokens_per_forward: dict[str, float] | None = None, log=print) -> Choice:
   """The fastest setting for decoding `batch_size` prompts at a time with `opts`' sampling, stop
   tokens and draft vocabulary. `prompts` are the calibration prompts (keep them apart from the
   prompts measured afterwards): all of them give the acceptance, the first `batch_size` the step
-  costs. Printed as a table with the predicted speedups."""
+  costs. `tokens_per_forward`: an earlier plan's `rows` acceptance, reused for another batch size
+  (acceptance does not depend on it). Printed as a table with the predicted speedups."""
   settings = candidates(opts, model.cfg.num_mtp_heads, max_depth)
   short = {name: dataclasses.replace(o, max_new_tokens=min(max_new_tokens, o.max_new_tokens))
            for name, o in settings.items()}
   batch = [prompts[i % len(prompts)] for i in range(batch_size)]
   cost = step_costs(model, batch, settings, pad_multiple=pad_multiple, cache_dir=cache_dir)
-  tpf = acceptance(model, prompts, short, pad_multiple=pad_multiple)
+  tpf = tokens_per_forward or acceptance(model, prompts, short, pad_multiple=pad_multiple)
   name, rows = choose(cost, tpf, margin)
   log(f'speculation planner (batch {batch_size}, {len(prompts)} calibration prompts, '
       f"{'greedy' if not opts.temperature else f'temperature {opts.temperature:g}'}):")
