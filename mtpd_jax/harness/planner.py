@@ -1,5 +1,5 @@
-"""The speculation planner (`eval.speculation='auto'`): the decoding setting with the most tokens per
-second for this model, device and batch size, from two measurements (docs/design.md, "The
+"""The speculation planner (`eval.speculation='auto'`): the decoding setting with the most tokens
+per second for this model, device and batch size, from two measurements (docs/design.md, "The
 speculation planner").
 
 1. Step cost: each candidate's decoding step, timed side by side with the plain step on the
@@ -38,7 +38,8 @@ class Choice(NamedTuple):
   rows: dict  # per candidate: step_cost (plain steps), tokens_per_forward, predicted_speedup
 
 
-def candidates(opts: decode.DecodeOptions, num_heads: int, max_depth: int = 0) -> dict[str, decode.DecodeOptions]:
+def candidates(opts: decode.DecodeOptions, num_heads: int,
+               max_depth: int = 0) -> dict[str, decode.DecodeOptions]:
   """Plain decoding, chains of depth 1..max_depth (default: K, or the configured depth if deeper),
   the trees of `TREES` that fit that depth, and adaptive depth on the deepest chain, all drafting
   over the configured draft vocabulary, with the options' temperature, top-p and stop tokens."""
@@ -47,33 +48,41 @@ def candidates(opts: decode.DecodeOptions, num_heads: int, max_depth: int = 0) -
       opts, draft=DraftPlan(depth, tree, min_prob, opts.draft.vocab))
   out = {'plain': opts.plain()}
   out.update({f'chain{j}': plan(j) for j in range(1, max_depth + 1)})
-  out.update({'tree' + 'x'.join(map(str, t)): plan(len(t), t) for t in TREES if len(t) <= max_depth})
+  for tree in TREES:
+    if len(tree) <= max_depth:
+      out['tree' + 'x'.join(map(str, tree))] = plan(len(tree), tree)
   if max_depth >= 2:
     out[f'chain{max_depth}@{ADAPTIVE_MIN_PROB}'] = plan(max_depth, (), ADAPTIVE_MIN_PROB)
   return out
 
 
-def choose(step_cost: dict[str, float], tokens_per_forward: dict[str, float], margin: float) -> tuple[str, dict]:
+def choose(step_cost: dict[str, float], tokens_per_forward: dict[str, float],
+           margin: float) -> tuple[str, dict]:
   """The candidate with the largest predicted speedup (tokens per forward / step cost in plain
   steps), or 'plain' unless one beats it by more than `margin`; and every candidate's row."""
-  rows = {name: {'step_cost': step_cost[name], 'tokens_per_forward': tokens_per_forward[name],
-                 'predicted_speedup': tokens_per_forward[name] / step_cost[name]} for name in step_cost}
+  rows = {}
+  for name, cost in step_cost.items():
+    tpf = tokens_per_forward[name]
+    rows[name] = {'step_cost': cost, 'tokens_per_forward': tpf, 'predicted_speedup': tpf / cost}
   best = max(rows, key=lambda name: rows[name]['predicted_speedup'])
   return (best if rows[best]['predicted_speedup'] > 1.0 + margin else 'plain'), rows
 
 
-def _cache_key(model: MTPTransformer, batch: int, pad_multiple: int, opts: decode.DecodeOptions) -> str:
+def _cache_key(model: MTPTransformer, batch: int, pad_multiple: int,
+               opts: decode.DecodeOptions) -> str:
   """What a step's cost depends on: the model's shapes, the device, the batch and the setting."""
   what = repr((model.cfg, jax.devices()[0].device_kind, jax.default_backend(), batch, pad_multiple,
                dataclasses.replace(opts, stop_tokens=()), 'v1'))
   return hashlib.sha256(what.encode()).hexdigest()[:16]
 
 
-def step_costs(model: MTPTransformer, prompts, settings: dict[str, decode.DecodeOptions], *, pad_multiple: int,
-               cache_dir: str | None, num_steps: int = 32, repeats: int = 3) -> dict[str, float]:
+def step_costs(model: MTPTransformer, prompts, settings: dict[str, decode.DecodeOptions], *,
+               pad_multiple: int, cache_dir: str | None, num_steps: int = 32,
+               repeats: int = 3) -> dict[str, float]:
   """Each setting's step in plain steps (settings['plain'] = 1), measured side by side with the
   plain step, or read from `cache_dir` where this model shape, device and batch measured it."""
-  keys = {name: _cache_key(model, len(prompts), pad_multiple, opts) for name, opts in settings.items()}
+  keys = {name: _cache_key(model, len(prompts), pad_multiple, opts)
+          for name, opts in settings.items()}
   path = lambda name: os.path.join(cache_dir, f'{keys[name]}.json')
   cost = {}
   for name in settings:
@@ -82,13 +91,15 @@ def step_costs(model: MTPTransformer, prompts, settings: dict[str, decode.Decode
         cost[name] = float(json.load(f)['step_cost'])
   todo = {name: opts for name, opts in settings.items() if name not in cost and name != 'plain'}
   if todo:
-    seconds = evaluate.step_seconds(model, prompts, {'plain': settings['plain'], **todo}, pad_multiple=pad_multiple,
+    timed = {'plain': settings['plain'], **todo}
+    seconds = evaluate.step_seconds(model, prompts, timed, pad_multiple=pad_multiple,
                                     num_steps=num_steps, repeats=repeats)
     for name in todo:
       cost[name] = seconds[name] / seconds['plain']
       if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
-        runtime.write_atomically(path(name), json.dumps({'setting': name, 'step_cost': cost[name]}))
+        record = {'setting': name, 'step_cost': cost[name]}
+        runtime.write_atomically(path(name), json.dumps(record))
   cost['plain'] = 1.0
   return cost
 
@@ -102,15 +113,19 @@ def acceptance(model: MTPTransformer, prompts, settings: dict[str, decode.Decode
     if not opts.draft.depth:
       out[name] = 1.0
       continue
-    accepts = [a for i in range(0, len(prompts), batch_size)
-               for a in decode.generate_split(structure, leaves, prompts[i:i + batch_size], opts,
-                                              pad_multiple=pad_multiple).accept_lengths]
-    out[name] = metrics.acceptance_stats(np.concatenate(accepts), opts.draft.depth)['tokens_per_forward']
+    accepts = []
+    for i in range(0, len(prompts), batch_size):
+      gen = decode.generate_split(structure, leaves, prompts[i:i + batch_size], opts,
+                                  pad_multiple=pad_multiple)
+      accepts.extend(gen.accept_lengths)
+    stats = metrics.acceptance_stats(np.concatenate(accepts), opts.draft.depth)
+    out[name] = stats['tokens_per_forward']
   return out
 
 
-def plan(model: MTPTransformer, prompts, opts: decode.DecodeOptions, *, batch_size: int, pad_multiple: int = 64,
-         cache_dir: str | None = None, max_depth: int = 0, max_new_tokens: int = 48, margin: float = 0.03,
+def plan(model: MTPTransformer, prompts, opts: decode.DecodeOptions, *, batch_size: int,
+         pad_multiple: int = 64, cache_dir: str | None = None, max_depth: int = 0,
+         max_new_tokens: int = 48, margin: float = 0.03,
          tokens_per_forward: dict[str, float] | None = None, log=print) -> Choice:
   """The fastest setting for decoding `batch_size` prompts at a time with `opts`' sampling, stop
   tokens and draft vocabulary. `prompts` are the calibration prompts (keep them apart from the
@@ -128,26 +143,28 @@ def plan(model: MTPTransformer, prompts, opts: decode.DecodeOptions, *, batch_si
       f"{'greedy' if not opts.temperature else f'temperature {opts.temperature:g}'}):")
   log(f"  {'setting':<14} {'step cost':>10} {'tokens/fwd':>11} {'predicted':>10}")
   for n, r in sorted(rows.items(), key=lambda kv: -kv[1]['predicted_speedup']):
-    log(f"  {n:<14} {r['step_cost']:>9.2f}x {r['tokens_per_forward']:>11.2f} {r['predicted_speedup']:>9.2f}x"
-        + ('  <- chosen' if n == name else ''))
+    chosen = '  <- chosen' if n == name else ''
+    log(f"  {n:<14} {r['step_cost']:>9.2f}x {r['tokens_per_forward']:>11.2f} "
+        f"{r['predicted_speedup']:>9.2f}x{chosen}")
   return Choice(name, settings[name], rows[name]['predicted_speedup'], rows)
 
 
-def measure(model: MTPTransformer, prompts, choice: Choice, *, batch_size: int, pad_multiple: int = 64,
-            repeats: int = 3, log=print) -> dict:
+def measure(model: MTPTransformer, prompts, choice: Choice, *, batch_size: int,
+            pad_multiple: int = 64, repeats: int = 3, log=print) -> dict:
   """The chosen setting's tokens/s over plain decoding's on `prompts`, timed side by side
   (`evaluate.timed_decode`), beside its predicted speedup; printed in one line."""
   settings = {'plain': choice.opts.plain(), 'auto': choice.opts}
-  runs = evaluate.timed_decode(model, prompts, settings, batch_size=batch_size, pad_multiple=pad_multiple,
-                               repeats=repeats)
+  runs = evaluate.timed_decode(model, prompts, settings, batch_size=batch_size,
+                               pad_multiple=pad_multiple, repeats=repeats)
   (plain, plain_s), (auto, auto_s) = runs['plain'], runs['auto']
   tps = lambda gen, s: sum(map(len, gen.tokens)) / s
   out = {'setting': choice.name, 'predicted_speedup': choice.predicted_speedup,
          'speedup_measured': tps(auto, auto_s) / tps(plain, plain_s),
          'lossless': all(np.array_equal(a, b) for a, b in zip(plain.tokens, auto.tokens))}
   if choice.opts.draft.depth:
-    out['tokens_per_forward'] = metrics.acceptance_stats(np.concatenate(auto.accept_lengths),
-                                                         choice.opts.draft.depth)['tokens_per_forward']
-  log(f"auto ({choice.name}): predicted {out['predicted_speedup']:.2f}x, measured {out['speedup_measured']:.2f}x "
-      f"plain's tokens/s (batch {batch_size}, {len(prompts)} prompts)")
+    stats = metrics.acceptance_stats(np.concatenate(auto.accept_lengths), choice.opts.draft.depth)
+    out['tokens_per_forward'] = stats['tokens_per_forward']
+  log(f"auto ({choice.name}): predicted {out['predicted_speedup']:.2f}x, "
+      f"measured {out['speedup_measured']:.2f}x plain's tokens/s "
+      f"(batch {batch_size}, {len(prompts)} prompts)")
   return out
