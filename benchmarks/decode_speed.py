@@ -356,6 +356,9 @@ def main(args: types.SimpleNamespace) -> dict:
       print(f"{where}/tree{','.join(map(str, args.tree))}/accept_len={e['accept_len']:.3f} (chain "
             f"{e['accept_len_chain']:.3f}) {where}/tree/spec_tokens_per_s_over_chain="
             f"{e['spec_tokens_per_s_over_chain']:.3f} lossless={e['lossless']}")
+  if args.speculation == 'auto' and not calibration:
+    raise cli.InputError('--speculation=auto calibrates on prompts past --num_prompts, and no prompt set has '
+                         'more: lower --num_prompts')
   if args.speculation == 'auto':  # the planner's pick per batch size, timed against plain on every set
     vocab = next((v for v in vocabs.values() if v is not None), None)
     base = decode.options(args.max_new_tokens, draft_vocab=vocab, stop_tokens=stop)

@@ -88,6 +88,8 @@ def test_plain_when_nothing_pays_and_the_pick_decodes_losslessly(model, prompts,
   assert choice.name != 'plain' and choice.rows[choice.name]['tokens_per_forward'] > 1.03
   got = planner.measure(model, prompts, choice, batch_size=2, pad_multiple=16, repeats=1, log=lambda _: None)
   assert got['lossless'] is True and got['tokens_per_forward'] >= 1.0
+  with pytest.raises(ValueError, match='needs at least one calibration prompt'):
+    planner.plan(model, [], decode.options(16), batch_size=2)
 
 
 def test_eval_speculation_auto_times_the_planners_pick_on_every_set_after_the_configured_one(tmp_path):

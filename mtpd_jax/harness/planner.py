@@ -132,6 +132,8 @@ def plan(model: MTPTransformer, prompts, opts: decode.DecodeOptions, *, batch_si
   prompts measured afterwards): all of them give the acceptance, the first `batch_size` the step
   costs. `tokens_per_forward`: an earlier plan's `rows` acceptance, reused for another batch size
   (acceptance does not depend on it). Printed as a table with the predicted speedups."""
+  if not prompts:
+    raise ValueError('the speculation planner needs at least one calibration prompt')
   settings = candidates(opts, model.cfg.num_mtp_heads, max_depth)
   short = {name: dataclasses.replace(o, max_new_tokens=min(max_new_tokens, o.max_new_tokens))
            for name, o in settings.items()}
