@@ -261,5 +261,4 @@ def main(args: types.SimpleNamespace) -> dict:
 
 
 if __name__ == '__main__':
-  from mtpd_jax.harness import cli
   cli.run(lambda: main(parse_args()))  # bad input: one 'error:' line, exit 2

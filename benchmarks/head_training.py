@@ -26,7 +26,6 @@ import types
 import jax
 import numpy as np
 from absl import flags
-from flax import nnx
 
 from benchmarks import common
 from configs import smollm2_mtpd

@@ -9,7 +9,6 @@ each published sweep wrote next to its results.md (mtpd_jax/harness/report.py, `
 
 import json
 import os
-import sys
 
 from absl import app, flags
 

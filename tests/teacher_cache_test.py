@@ -13,7 +13,7 @@ from flax import nnx
 
 from conftest import small_config
 from mtpd_jax import train
-from mtpd_jax.harness import experiment, recipe, teacher_cache, training, trunk_cache
+from mtpd_jax.harness import experiment, recipe, training, trunk_cache
 
 pytestmark = pytest.mark.reliability
 

@@ -82,7 +82,6 @@ def build(config: ml_collections.ConfigDict, load_model: Callable[[], MTPTransfo
           progress: bool = True) -> str:
   """Decode (or finish decoding) the regenerated training text with the model `load_model()`
   returns (train.init_from's); returns its token file's path."""
-  d = config.data
   out_dir = directory(config)
   final = os.path.join(out_dir, 'train_tokens.npy')
   if os.path.isfile(final):
