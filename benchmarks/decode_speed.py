@@ -37,6 +37,10 @@ threshold's tokens/forward and tokens/s against the full chain's (0).
 that branching (keys `..._tree`; mtpd_jax/drafting.py), and `tree_effect` gives its acceptance
 length (accepted drafts per step) and tokens/s against the chain's.
 
+--draft_source=context,both also decodes each chain with drafts from the context (prompt lookup,
+no heads; keys `..._context`) and with the heads' chain beside the context's as one tree (keys
+`..._both`; docs/design.md, "Drafts from the context"), over --ngram.
+
 --speculation=auto also runs the speculation planner (mtpd_jax/harness/planner.py) per batch size,
 on --calibration_prompts more prompts per set than the measured ones, and decodes every set with
 its pick (key `auto`); `auto_effect` gives its speedup over plain beside the best fixed setting's.
@@ -52,22 +56,14 @@ import os
 import time
 import types
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import flags
-from flax import nnx
 
 from benchmarks import common, decode_effects
-from mtpd_jax import data, decode
+from benchmarks.tiny_heads import HEADS, TINY, synthetic_tokens, token_rows, train_mtp, train_tiny
+from mtpd_jax import data, decode, drafting
 from mtpd_jax.harness import cli, evaluate, planner
-from mtpd_jax.model import ModelConfig, MTPTransformer
 
-# An 8-layer trunk, so that a head (one block) costs about 1/8 of a trunk forward, as in real MTP models.
-TINY = ModelConfig(vocab_size=64, dim=64, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=16,
-                   mlp_dim=192, num_mtp_heads=4, max_seq_len=512)
-HEADS = nnx.All(nnx.Param, nnx.PathContains('mtp_heads'))  # the MTP heads' parameters: the trunk stays frozen
 # Flags whose default depends on the model: (tiny, GGUF). depths '' = K.
 MODE_DEFAULTS = {'train_steps': (300, 60), 'train_batch': (16, 4), 'train_seq': (64, 128), 'lr': (3e-3, 5e-4),
                  'depths': ('4,8', ''), 'batch_sizes': ('1', '1,8'), 'max_new_tokens': (128, 64),
@@ -75,66 +71,6 @@ MODE_DEFAULTS = {'train_steps': (300, 60), 'train_batch': (16, 4), 'train_seq': 
 PRINTED = ('tokens_per_forward', 'accept_len', 'plain_tokens_per_s', 'spec_tokens_per_s', 'plain_step_ms',
            'spec_step_ms', 'plain_wall_ms_per_step', 'spec_wall_ms_per_step', 'verify_cost_ratio',
            'speedup_measured', 'speedup_analytic', 'speedup_measured_over_analytic')
-
-
-def _rows(src, records) -> np.ndarray:
-  """Records of a token source as rows of seq_len+1 tokens."""
-  return np.stack([np.append(r['inputs'], r['targets'][-1]) for r in map(src.__getitem__, records)])
-
-
-def synthetic_tokens(vocab_size: int, seq_len: int, records: range, seed: int = 0) -> np.ndarray:
-  """Rows of seq_len+1 tokens: records of the synthetic stream, each starting a document."""
-  return _rows(data.SyntheticSource(vocab_size, seq_len, max(records) + 1, seed=seed), records)
-
-
-def _xent(logits_BxTxV, targets_BxT):
-  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT))
-
-
-def mtp_xent(model: MTPTransformer, tokens_BxT1, *, main_head: bool = True):
-  """(loss, xent_K): the main head's CE (if `main_head`) plus each head k's, summed; xent_K per head."""
-  out = model(tokens_BxT1[:, :-1])
-  targets_BxT, t = tokens_BxT1[:, 1:], tokens_BxT1.shape[1] - 1
-  loss, xents = _xent(out.logits_BxTxV, targets_BxT) if main_head else 0.0, []
-  for k in range(1, model.cfg.num_mtp_heads + 1):  # head k at i predicts token i+k+1 = targets[i+k]
-    xents.append(_xent(out.mtp_logits_KxBxTxV[k - 1][:, :t - k], targets_BxT[:, k:]))
-    loss += xents[-1]
-  return loss, jnp.stack(xents) if xents else jnp.zeros((0,))
-
-
-def train_mtp(model: MTPTransformer, rows_BxT1, *, steps: int, batch_size: int, lr: float,
-              trainable=nnx.Param, main_head: bool = True) -> np.ndarray:
-  """Adam on the `trainable` parameters (all, or HEADS) against `mtp_xent`, in place; returns xent_SxK.
-
-  Step i reads rows i*batch_size... of `rows_BxT1` (cycling). Parameters outside `trainable`
-  enter the step as constants, so a frozen trunk gets no gradient and no optimizer state.
-  """
-  graphdef, params, frozen = nnx.split(model, trainable, ...)
-  tx = optax.adam(lr)
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def train_step(params, opt_state, frozen, tokens_BxT1):
-    loss_fn = lambda p: mtp_xent(nnx.merge(graphdef, p, frozen), tokens_BxT1, main_head=main_head)
-    (_, xent_K), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, xent_K
-
-  opt_state, xents = tx.init(params), []
-  for i in range(steps):
-    batch = rows_BxT1[np.arange(i * batch_size, (i + 1) * batch_size) % len(rows_BxT1)]
-    params, opt_state, xent_K = train_step(params, opt_state, frozen, batch)
-    xents.append(xent_K)
-  nnx.update(model, params)
-  return np.asarray(jax.device_get(xents)).reshape(steps, model.cfg.num_mtp_heads)
-
-
-def train_tiny(cfg: ModelConfig = TINY, *, steps: int = 300, batch_size: int = 16, seq_len: int = 64,
-               lr: float = 3e-3, seed: int = 0) -> MTPTransformer:
-  """A model trained with CE on the main head and on every head k (position i -> token i+k+1)."""
-  model = MTPTransformer(cfg, rngs=nnx.Rngs(seed))
-  rows = synthetic_tokens(cfg.vocab_size, seq_len, range(steps * batch_size), seed)
-  train_mtp(model, rows, steps=steps, batch_size=batch_size, lr=lr)
-  return model
 
 
 def _tiny_setup(args):
@@ -176,7 +112,7 @@ def _gguf_setup(args):
     info['load_s'] = time.perf_counter() - start
     src = data.PackedTokens(embedded().train_tokens_path, args.train_seq, embedded().eos_id, model.cfg.vocab_size)
     order = np.random.default_rng(args.seed).permutation(len(src))
-    rows = _rows(src, order[np.arange(args.train_steps * args.train_batch) % len(src)])
+    rows = token_rows(src, order[np.arange(args.train_steps * args.train_batch) % len(src)])
     start = time.perf_counter()
     xent_SxK = train_mtp(model, rows, steps=args.train_steps, batch_size=args.train_batch, lr=args.lr,
                          trainable=HEADS, main_head=False)
@@ -224,6 +160,9 @@ flags.DEFINE_string('draft_min_prob', '0', 'adaptive depth: stop drafting below 
                     'the full chain); a list compares thresholds side by side', flag_values=FLAGS)
 flags.DEFINE_string('tree', '', 'tree drafts beside the chain: branching per depth, e.g. 3,2,1,1 '
                     "('' = chains only)", flag_values=FLAGS)
+flags.DEFINE_string('draft_source', 'heads', "who drafts, comma-separated: 'heads', 'context' (prompt lookup) "
+                    "and/or 'both' (the two chains as one tree)", flag_values=FLAGS)
+flags.DEFINE_integer('ngram', 3, 'context drafts: the longest suffix n-gram looked up', flag_values=FLAGS)
 flags.DEFINE_string('speculation', '', "'auto': also decode with the speculation planner's pick per batch size "
                     '(chains up to the largest --depths, small trees, adaptive depth), calibrated on '
                     '--calibration_prompts more prompts (per set), and compare it with the best fixed setting',
@@ -280,6 +219,11 @@ def parse_args(argv=None) -> types.SimpleNamespace:
     raise cli.InputError(f'--tree={args.tree} must be a comma-separated list of branchings') from None
   if any(b < 1 for b in args.tree):
     raise cli.InputError(f'--tree={args.tree} must be branchings >= 1')
+  args.draft_source = args.draft_source.split(',')
+  if not set(args.draft_source) <= set(drafting.SOURCES) or len(set(args.draft_source)) != len(args.draft_source):
+    raise cli.InputError(f'--draft_source={",".join(args.draft_source)} must be distinct names from {drafting.SOURCES}')
+  if args.ngram < 1:
+    raise cli.InputError(f'--ngram={args.ngram} must be >= 1')
   if args.speculation not in ('', 'auto'):
     raise cli.InputError(f"--speculation={args.speculation} must be '' or 'auto'")
   if args.calibration_prompts < 1:
@@ -315,19 +259,21 @@ def main(args: types.SimpleNamespace) -> dict:
   chains, trees = {}, {}  # key without the threshold -> {threshold: key}; chain key -> its tree's key
   for name, prompts in sets.items():
     for b in batch_sizes:
-      for depth, (n, vocab), p, tree in itertools.product(depths, vocabs.items(), args.draft_min_prob,
-                                                          ((), args.tree)):
-        if tree and len(tree) != depth:
+      for depth, (n, vocab), p, tree, source in itertools.product(depths, vocabs.items(), args.draft_min_prob,
+                                                                  ((), args.tree), args.draft_source):
+        if (tree and len(tree) != depth) or (source != 'heads' and (tree or (source == 'context' and p))):
           continue
         chain = f'depth{depth}' + (f'_dv{n}' if len(vocabs) > 1 else '')
         key = chain + (f'_mp{p:g}' if len(args.draft_min_prob) > 1 else '')
         if tree:
           trees[key] = key + '_tree'
           key += '_tree'
+        elif source != 'heads':
+          key += f'_{source}'
         else:
           chains.setdefault(chain, {})[p] = key
         opts = decode.options(args.max_new_tokens, draft_depth=depth, tree=tree, draft_min_prob=p, draft_vocab=vocab,
-                              stop_tokens=stop)
+                              draft_source=source, ngram=args.ngram, stop_tokens=stop)
         r = evaluate.evaluate_prompt_set(model, prompts, opts, batch_size=b, pad_multiple=pad, repeats=args.repeats,
                                          timing_steps=args.timing_steps, timing_repeats=args.timing_repeats)
         r['speedup_measured_over_analytic'] = r['speedup_measured'] / r['speedup_analytic']
@@ -361,7 +307,9 @@ def main(args: types.SimpleNamespace) -> dict:
                          'more: lower --num_prompts')
   if args.speculation == 'auto':  # the planner's pick per batch size, timed against plain on every set
     vocab = next((v for v in vocabs.values() if v is not None), None)
-    base = decode.options(args.max_new_tokens, draft_vocab=vocab, stop_tokens=stop)
+    # a speculative base keeps the draft vocabulary (plain options carry none): the candidates draft over it
+    base = decode.options(args.max_new_tokens, draft_depth=max(depths), draft_vocab=vocab, ngram=args.ngram,
+                          stop_tokens=stop)
     tpf = None  # acceptance, measured by the first plan and reused: it does not depend on the batch size
     for b in batch_sizes:
       choice = planner.plan(model, calibration, base, batch_size=b, pad_multiple=pad, max_depth=max(depths),

@@ -170,6 +170,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval.draft_min_prob = 0.0
   # tree drafts: branching per depth, one entry per draft depth, e.g. (3, 2, 1, 1); () = a chain
   c.eval.tree = ()
+  # drafts from the context (prompt lookup, no training): 'heads' | 'context' (a chain that copies
+  # what followed the last n-gram earlier in the prompt and output) | 'both' (that chain beside the
+  # heads' chain, verified together as one tree); lossless
+  c.eval.draft_source = 'heads'
+  c.eval.ngram = 3                # context drafts: the longest suffix n-gram looked up (then shorter ones)
   c.eval.repeats = 3              # timed runs of each batch per decoding (best of); a shape new to the model compiles first
   c.eval.timing_steps = 256       # decoding steps timed per setting for the analytic speedup
   c.eval.timing_repeats = 5       # timed passes of those steps (best of)

@@ -45,6 +45,10 @@ that node's own earlier drafts, and one tree attention pass verifies every node.
 one row per sequence plus the nodes (a chain is the tree (1, ..., 1)); paths exist only as index
 tables, and the committed path's nodes are copied into place (`drafting.keep_path`).
 
+Context drafts (`DraftPlan.source`; `lookup.context_drafts`): prompt lookup copies what followed
+the sequence's last n-gram earlier on; 'context' verifies that chain alone (no head runs, no MTP
+heads needed), 'both' verifies it beside the heads' chain as path 1 of the tree (2, 1, ..., 1).
+
 Slots past a sequence's own window may hold stale drafts or prompt padding (ragged batches run
 on padded prompts at per-sequence positions); they are never visible, because every call writes
 the slots of all positions it queries and a query sees only slots <= its position.
@@ -88,10 +92,12 @@ class DecodeOptions:
 
 
 def options(max_new_tokens: int, *, draft_depth: int = 0, tree=(), draft_min_prob: float = 0.0, draft_vocab=None,
-            temperature: float = 0.0, top_p: float = 1.0, stop_tokens=()) -> DecodeOptions:
+            draft_source: str = 'heads', ngram: int = 3, temperature: float = 0.0, top_p: float = 1.0,
+            stop_tokens=()) -> DecodeOptions:
   """`DecodeOptions` from the flat keywords that `generate` takes (draft_vocab: token ids or None)."""
   plan = DraftPlan(draft_depth, tuple(tree), draft_min_prob,
-                   () if draft_vocab is None or not draft_depth else drafting.vocab_ids(draft_vocab))
+                   () if draft_vocab is None or not draft_depth else drafting.vocab_ids(draft_vocab),
+                   draft_source, ngram)
   return DecodeOptions(max_new_tokens, temperature, top_p, tuple(stop_tokens), plan)
 
 
@@ -109,8 +115,8 @@ class DecodeState(NamedTuple):
   h0_BxSxD: jax.Array | None = None            # trunk hidden states by position
   head_caches: list[Cache] | None = None       # one per draft depth (a row per node of depth j-1)
   nodes_BxO: jax.Array | None = None           # the pending token and the drafts (drafting.Tree's nodes)
-  draft_logits_BxOxV: jax.Array | None = None  # sampling only: the logits each node's children were drawn from
-  proposes_BxO: jax.Array | None = None        # adaptive depth only: whether each node's children are proposed
+  draft_logits_BxOxV: jax.Array | None = None  # sampling only: the logits each node was drawn from
+  proposed_BxO: jax.Array | None = None        # adaptive depth, context drafts: whether each node is proposed
 
 
 def cache_len(prompt_len: int, opts: DecodeOptions) -> int:
@@ -146,11 +152,11 @@ def _commit(st: DecodeState, emit_BxJ1, n_B, opts: DecodeOptions):
 
 def _draft(model: MTPTransformer, st: DecodeState, start_B, width: int, key, opts: DecodeOptions, vocab):
   """`drafting.draft` of the state: the drafts after its pending token, and the head caches."""
-  nodes_BxO, head_caches, draft_logits_BxOxV, proposes_BxO = drafting.draft(
+  nodes_BxO, head_caches, draft_logits_BxOxV, proposed_BxO = drafting.draft(
       model, opts.draft, st.tokens_BxS, st.length_B, st.h0_BxSxD, st.head_caches, start_B, width, key, vocab,
       opts.temperature, opts.top_p)
   return st._replace(nodes_BxO=nodes_BxO, head_caches=head_caches, draft_logits_BxOxV=draft_logits_BxOxV,
-                     proposes_BxO=proposes_BxO)
+                     proposed_BxO=proposed_BxO)
 
 
 def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOptions,
@@ -172,13 +178,14 @@ def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOp
   st = _commit(st, first_B[:, None], jnp.ones_like(prompt_len_B), opts)
   if not plan.depth:
     return st
-  if not cfg.num_mtp_heads:
-    raise ValueError('speculative decoding needs a model with MTP heads (num_mtp_heads >= 1)')
+  heads = plan.source != 'context'  # prompt lookup runs no head
+  if heads and not cfg.num_mtp_heads:
+    raise ValueError("speculative decoding needs a model with MTP heads (num_mtp_heads >= 1), or draft_source='context'")
   st = st._replace(
       accept_BxI=jnp.full((b, opts.max_new_tokens), -1, jnp.int32),
       h0_BxSxD=jnp.zeros((b, s, cfg.dim), h_BxPxD.dtype).at[:, :p].set(h_BxPxD),
       head_caches=[init_cache(cfg, b * n, s, num_layers=1)[0]  # a row per node of depth j-1
-                   for n in drafting.tree_of(plan).sizes[:-1]])
+                   for n in drafting.tree_of(plan).sizes[:-1]] if heads else [])
   return _draft(model, st, jnp.zeros_like(st.length_B), p, key_draft, opts, vocab)
 
 
@@ -192,7 +199,7 @@ def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
   if j:  # one pass over the nodes (a chain's are its drafts); the sequence commits one path
     h_BxOxD, logits_BxOxV, caches = drafting.verify_pass(model, st.nodes_BxO, st.length_B, st.caches, plan)
     path_B, accepted_B, next_B = drafting.accept(key_verify, st.nodes_BxO, st.draft_logits_BxOxV, logits_BxOxV,
-                                                 plan, opts.temperature, opts.top_p, st.proposes_BxO)
+                                                 plan, opts.temperature, opts.top_p, st.proposed_BxO)
     caches = drafting.keep_path(caches, st.length_B, path_B, plan)
     on_path_BxJ1 = jnp.asarray(drafting.tree_of(plan).path_nodes)[path_B]
     tokens_BxJ1 = jnp.take_along_axis(st.nodes_BxO, on_path_BxJ1, axis=1)

@@ -9,7 +9,11 @@ drafts (docs/design.md, "Decoding cost"):
 - adaptive depth (`min_prob`): a sequence proposes only its leading drafts whose head put at least
   that on its most likely token, a choice made before any draw, so sampling stays lossless;
 - a draft vocabulary (`vocab`): drafts are chosen among those token ids only (a head vocabulary,
-  or the most frequent training tokens); verification keeps the main head over all of V.
+  or the most frequent training tokens); verification keeps the main head over all of V;
+- drafts from the context (`source`): 'context' drafts the chain by prompt lookup, no heads at all
+  (`lookup.context_drafts`: what followed an earlier occurrence of the sequence's last n-gram);
+  'both' verifies the heads' chain and the context's chain together, as the two paths of the tree
+  (2, 1, ..., 1) (docs/design.md, "Drafts from the context").
 
 `decode.py` owns the loop (state, commit, prefill, step) and calls `draft` after each verify; this
 file takes arrays and the plan and never imports decode.
@@ -35,13 +39,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtpd_jax import sampling
+from mtpd_jax import lookup, sampling
 from mtpd_jax.model import MTPTransformer, cache_mask
 from mtpd_jax.shifts import gather_at
 
 
 # ---------------------------------------------------------------------------------------------
 # The plan
+
+
+SOURCES = ('heads', 'context', 'both')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,27 +59,38 @@ class DraftPlan:
   tree: tuple[int, ...] = ()      # branching per depth, one per draft depth; () = a chain
   min_prob: float = 0.0           # adaptive depth: stop drafting below this top probability (0 = always J)
   vocab: tuple[int, ...] = ()     # token ids that drafts are chosen among; () = all of V
+  source: str = 'heads'           # 'heads', 'context' (prompt lookup) or 'both' (the two chains as one tree)
+  ngram: int = 3                  # context drafts: the longest suffix n-gram looked up (down to 1)
 
   def __post_init__(self):
     object.__setattr__(self, 'tree', tuple(int(b) for b in self.tree))
     object.__setattr__(self, 'vocab', tuple(int(i) for i in self.vocab))
     object.__setattr__(self, 'min_prob', float(self.min_prob) if self.depth else 0.0)
+    object.__setattr__(self, 'source', self.source if self.depth else 'heads')
     if self.depth < 0:
       raise ValueError(f'draft depth {self.depth} must be >= 0 (0 = plain decoding)')
     if not 0.0 <= self.min_prob <= 1.0:
       raise ValueError(f'draft_min_prob={self.min_prob} must lie in [0, 1]')
     check(self.tree, self.depth)
+    if self.source not in SOURCES:
+      raise ValueError(f'draft source {self.source!r} must be one of {SOURCES}')
+    if self.source != 'heads' and self.tree:
+      raise ValueError(f"draft_source={self.source!r} drafts chains; a tree ({self.tree}) drafts from the heads only")
+    if self.source == 'context' and self.min_prob:
+      raise ValueError("draft_source='context' has no head probabilities for draft_min_prob to cut at")
+    if self.ngram < 1:
+      raise ValueError(f'ngram={self.ngram} must be >= 1')
     if self.vocab and (min(self.vocab) < 0 or len(set(self.vocab)) != len(self.vocab)):
       raise ValueError('draft vocabulary ids must be distinct and >= 0')
 
   @property
   def paths(self) -> int:
-    return num_paths(self.tree)
+    return len(tree_of(self).path_nodes)
 
   @property
   def verified(self) -> int:
     """Positions one verify call writes: the pending token and the drafts (a tree's O nodes)."""
-    return num_nodes(self.tree) if self.tree else self.depth + 1
+    return len(tree_of(self).depth_O)
 
   def check_vocab(self, vocab_size: int) -> None:
     if self.vocab and max(self.vocab) >= vocab_size:
@@ -140,7 +158,10 @@ def tree_tables(branching: tuple[int, ...]) -> Tree:
 
 
 def tree_of(plan: DraftPlan) -> Tree:
-  """The plan's tree: its `tree`, or the chain (1, ..., 1) of its depth."""
+  """The plan's tree: its `tree`, or the chain (1, ..., 1) of its depth; with `source='both'` the
+  tree (2, 1, ..., 1), whose path 0 the heads draft and path 1 the context (`draft`)."""
+  if plan.source == 'both':
+    return tree_tables((2,) + (1,) * (plan.depth - 1))
   return tree_tables(plan.tree or (1,) * plan.depth)
 
 
@@ -178,23 +199,33 @@ def draft(model: MTPTransformer, plan: DraftPlan, tokens_BxS, length_B, h0_BxSxD
   covers every head-cache slot that was not final after the previous pass (decode.py's cache
   scheme). Depth j runs once per node of depth j-1 (B·N_{j-1} rows, b-major): its window's tokens
   are the committed ones, then the node's own ancestors' drafts at L+1..L+j-1, and the node's b_j
-  children are its logits' top b_j (sampling: b_j independent draws). Returns (nodes_BxO: the
-  pending token, then the drafts; the head caches; with sampling the draft logits each node's
-  children came from, [B, O, V], else None; with adaptive depth whether each node proposes its
-  children, [B, O], else None).
+  children are its logits' top b_j (sampling: b_j independent draws). Context drafts replace the
+  heads' (`source='context'`, no head runs) or their path 1 (`source='both'`). Returns (nodes_BxO:
+  the pending token, then the drafts; the head caches; with sampling the logits each node was
+  drawn from, [B, O, V] (the root: zeros), else None; with adaptive depth or context drafts whether
+  each node is a proposed draft, [B, O], else None).
   """
   tree = tree_of(plan)
   b, s = tokens_BxS.shape
+  pending_B = length_B - 1
+  nodes_BxO = jnp.zeros((b, len(tree.depth_O)), jnp.int32).at[:, 0].set(gather_at(tokens_BxS, pending_B[:, None])[:, 0])
+  proposed_BxO = jnp.ones(nodes_BxO.shape, bool)  # adaptive depth: every ancestor confident; context: found
+  context = plan.source != 'heads'
+  if context:  # path 1 of 'both' (node starts[j] + 1 at depth j), or the whole chain
+    ctx_BxJ, found_BxJ = lookup.context_drafts(tokens_BxS, length_B, plan.depth, plan.ngram)
+    ctx_J = tree.path_nodes[-1, 1:]
+  if plan.source == 'context':
+    nodes_BxO = nodes_BxO.at[:, ctx_J].set(ctx_BxJ)
+    proposed_BxO = proposed_BxO.at[:, ctx_J].set(found_BxJ)
+    return nodes_BxO, head_caches, _one_hot_laws(nodes_BxO, model.cfg.vocab_size) if temperature else None, proposed_BxO
   pos_BxW = start_B[:, None] + jnp.arange(width)
   mask_BxWxS = cache_mask(pos_BxW, s)
-  pending_B = length_B - 1
   last_Bx1 = (pending_B - 1 - start_B)[:, None]  # window index of the last trunk position L-1
   h_GxWxD = gather_at(h0_BxSxD, pos_BxW)
-  nodes_BxO = jnp.zeros((b, len(tree.depth_O)), jnp.int32).at[:, 0].set(gather_at(tokens_BxS, pending_B[:, None])[:, 0])
-  proposes_BxO = jnp.ones(nodes_BxO.shape, bool)  # adaptive depth: the node and every ancestor confident
-  caches, draft_logits = [], []
+  caches, draft_logits = [], [jnp.zeros((b, 1, model.cfg.vocab_size), jnp.float32)]
   for j, key_j in zip(range(1, plan.depth + 1), jax.random.split(key, plan.depth)):
     n, width_j, first = tree.sizes[j - 1], tree.branching[j - 1], int(tree.starts[j - 1])
+    children = slice(int(tree.starts[j]), int(tree.starts[j]) + n * width_j)
     each = lambda x: jnp.repeat(x, n, axis=0)  # a sequence's rows, one per node of depth j-1
     if j > 1:  # the parent's depth-(j-1) states, one copy per child
       h_GxWxD = jnp.repeat(h_GxWxD, tree.branching[j - 2], axis=0)
@@ -207,25 +238,34 @@ def draft(model: MTPTransformer, plan: DraftPlan, tokens_BxS, length_B, h0_BxSxD
                                     each(pos_BxW), each(mask_BxWxS), head_caches[j - 1])
     h_Gx1xD = gather_at(h_GxWxD, each(last_Bx1))
     choose = functools.partial(_choose_draft, model, vocab, temperature, top_p, key_j, width_j)
-    # Adaptive depth: a node proposes its children if its parent does and its own head is confident.
-    up_BxN = proposes_BxO[:, tree.path_nodes[tree.path_O[node_ids], max(j - 2, 0)]] if j > 1 else proposes_BxO[:, :1]
+    up_BxN = proposed_BxO[:, node_ids]  # adaptive depth: a node drafts children only if it is proposed itself
     if plan.min_prob and j > 1:  # skip the logits once no node drafts this deep
       skip = lambda _: (jnp.zeros((b * n, width_j), jnp.int32), jnp.zeros((b * n, model.cfg.vocab_size)))
       drafts_GxC, logits_GxV = jax.lax.cond(jnp.any(up_BxN), choose, skip, h_Gx1xD)
     else:
       drafts_GxC, logits_GxV = choose(h_Gx1xD)
-    if plan.min_prob:
-      confident_G = draft_confidence(logits_GxV, drafts_GxC, temperature, top_p) >= plan.min_prob
-      proposes_BxO = proposes_BxO.at[:, node_ids].set(up_BxN & confident_G.reshape(b, n))
-    nodes_BxO = nodes_BxO.at[:, int(tree.starts[j]):int(tree.starts[j]) + n * width_j].set(drafts_GxC.reshape(b, -1))
+    if plan.min_prob:  # a node's children are proposed if it is and its own head is confident
+      confident_BxN = draft_confidence(logits_GxV, drafts_GxC, temperature, top_p).reshape(b, n) >= plan.min_prob
+      proposed_BxO = proposed_BxO.at[:, children].set(jnp.repeat(up_BxN & confident_BxN, width_j, axis=1))
+    nodes_BxO = nodes_BxO.at[:, children].set(drafts_GxC.reshape(b, -1))
+    if temperature:  # each child's q: its parent's law
+      draft_logits.append(jnp.repeat(logits_GxV.reshape(b, n, -1), width_j, axis=1))
+    if context:  # path 1's node at this depth: the context's draft, proposed where a match reaches it
+      nodes_BxO = nodes_BxO.at[:, ctx_J[j - 1]].set(ctx_BxJ[:, j - 1])
+      proposed_BxO = proposed_BxO.at[:, ctx_J[j - 1]].set(found_BxJ[:, j - 1])
     caches.append(cache)
-    draft_logits.append(logits_GxV.reshape(b, n, -1))
   # Greedy verification reads no draft probabilities; only sampling carries them to the next step.
-  if temperature:  # the logits each node drafted its children from, by node (leaves: none)
-    leaves = jnp.zeros((b, tree.sizes[-1], model.cfg.vocab_size), jnp.float32)
-    draft_logits = jnp.concatenate(draft_logits + [leaves], axis=1)
-  return (nodes_BxO, caches, draft_logits if temperature else None,
-          proposes_BxO if plan.min_prob else None)
+  draft_logits_BxOxV = None
+  if temperature:
+    draft_logits_BxOxV = jnp.concatenate(draft_logits, axis=1)
+    if context:
+      draft_logits_BxOxV = draft_logits_BxOxV.at[:, ctx_J].set(_one_hot_laws(nodes_BxO, model.cfg.vocab_size)[:, ctx_J])
+  return nodes_BxO, caches, draft_logits_BxOxV, proposed_BxO if plan.min_prob or context else None
+
+
+def _one_hot_laws(nodes_BxO, vocab_size: int):
+  """Logits whose law puts all mass on each node's token: the q of a draft that is not drawn."""
+  return jnp.where(jnp.arange(vocab_size) == nodes_BxO[..., None], 0.0, -jnp.inf)
 
 
 def draft_confidence(logits_BxV, drafts_BxC, temperature: float, top_p: float):
@@ -274,28 +314,28 @@ def verify_pass(model: MTPTransformer, nodes_BxO, length_B, caches, plan: DraftP
 
 
 def accept(key, nodes_BxO, draft_logits_BxOxV, logits_BxOxV, plan: DraftPlan, temperature: float,
-           top_p: float = 1.0, proposes_BxO=None):
+           top_p: float = 1.0, proposed_BxO=None):
   """(path, a, next) per sequence: the path it commits, the drafts accepted along it and the token
   after them.
 
   Greedy: every path is verified as a chain against the main argmax at its nodes, drafts that were
-  not proposed (adaptive depth) count as rejected, and the longest accepted path wins, the first
-  on ties. Sampling: recursive rejection sampling down the tree (SpecInfer, Miao et al. 2024): at
-  the current node, with p the main head's law there and q the law its children were drawn from,
-  child c is accepted with probability min(1, p/q) under the p that its elder siblings' rejections
-  left, each rejection replacing p by the normalised residual max(0, p - q); the walk moves to the
-  first accepted child, and where none is (or none was proposed), the next token is drawn from the
-  current p. Each sibling is a speculative-sampling round with target p and an independent draw
-  from q, so the emitted tokens follow plain sampling exactly (docs/design.md); a chain is
-  Leviathan et al.'s rule.
+  not proposed (adaptive depth, a context draft not found) count as rejected, and the longest
+  accepted path wins, the first on ties. Sampling: recursive rejection sampling down the tree
+  (SpecInfer, Miao et al. 2024): at the current node, with p the main head's law there and q_c the
+  law child c was drawn from (its parent head's, or one-hot for a context draft), a proposed child
+  is accepted with probability min(1, p/q_c) under the p that its elder siblings' rejections left,
+  each rejection replacing p by the normalised residual max(0, p - q_c); the walk moves to the first
+  accepted child, and where none is, the next token is drawn from the current p. Each sibling is a
+  speculative-sampling round with target p and a draw from q_c independent of the others, so the
+  emitted tokens follow plain sampling exactly (docs/design.md); a chain is Leviathan et al.'s rule.
   """
   tree = tree_of(plan)
   b = nodes_BxO.shape[0]
   if not temperature:
     target_BxO = jnp.argmax(logits_BxOxV, axis=-1).astype(jnp.int32)
     ok_BxPxJ = nodes_BxO[:, tree.path_nodes[:, 1:]] == target_BxO[:, tree.path_nodes[:, :-1]]
-    if proposes_BxO is not None:
-      ok_BxPxJ &= proposes_BxO[:, tree.path_nodes[:, :-1]]  # cumulative already: ancestors' confidence in it
+    if proposed_BxO is not None:
+      ok_BxPxJ &= proposed_BxO[:, tree.path_nodes[:, 1:]]
     a_BxP = jnp.sum(jnp.cumprod(ok_BxPxJ, axis=-1), axis=-1).astype(jnp.int32)
     path_B = jnp.argmax(a_BxP, axis=1).astype(jnp.int32)
     a_B = jnp.take_along_axis(a_BxP, path_B[:, None], axis=1)[:, 0]
@@ -310,15 +350,14 @@ def accept(key, nodes_BxO, draft_logits_BxOxV, logits_BxOxV, plan: DraftPlan, te
   p_BxV, alive_B = law(logits_BxOxV[:, 0]), jnp.ones((b,), bool)
   keys = jax.random.split(key, len(tree.branching) + 1)
   for j, width in enumerate(tree.branching):  # try the children, at depth j+1, of each walk's depth-j node
-    q_BxV = law(at_node(draft_logits_BxOxV, node_B))
-    trying_B = alive_B if proposes_BxO is None else alive_B & at_node(proposes_BxO, node_B)
-    child_B, u_BxW = node_B, jax.random.uniform(keys[j], (b, width))
+    trying_B, child_B, u_BxW = alive_B, node_B, jax.random.uniform(keys[j], (b, width))
     for c in range(width):
       m_B = first_child_O[node_B] + c
-      x_B = at_node(nodes_BxO, m_B)
-      ok_B = trying_B & sampling.accept_draft(u_BxW[:, c], at(p_BxV, x_B), at(q_BxV, x_B))
+      x_B, q_BxV = at_node(nodes_BxO, m_B), law(at_node(draft_logits_BxOxV, m_B))
+      drawn_B = trying_B if proposed_BxO is None else trying_B & at_node(proposed_BxO, m_B)
+      ok_B = drawn_B & sampling.accept_draft(u_BxW[:, c], at(p_BxV, x_B), at(q_BxV, x_B))
       child_B = jnp.where(ok_B, m_B, child_B)
-      p_BxV = jnp.where((trying_B & ~ok_B)[:, None], sampling.residual(p_BxV, q_BxV), p_BxV)
+      p_BxV = jnp.where((drawn_B & ~ok_B)[:, None], sampling.residual(p_BxV, q_BxV), p_BxV)
       trying_B &= ~ok_B
     alive_B, node_B = child_B != node_B, child_B
     p_BxV = jnp.where(alive_B[:, None], law(at_node(logits_BxOxV, node_B)), p_BxV)

@@ -85,11 +85,25 @@ _COUNTED = set()  # model configs whose built parameter count was checked agains
     ('eval.tree', (2, 0), 'eval.tree=(2, 0) must be a tuple of branchings >= 1'),
     ('eval.tree', (2, 2), 'eval.tree=(2, 2) has 2 depths, but decoding drafts 4'),
     ('eval.draft_min_prob', 1.5, 'eval.draft_min_prob=1.5 must be a finite number in [0, 1]'),
+    ('eval.draft_source', 'lookup', "eval.draft_source='lookup' must be one of ('heads', 'context', 'both')"),
+    ('eval.ngram', 0, 'eval.ngram=0 must be an int >= 1'),
 ])
 def test_bad_values_are_refused(field, value, message):
   from conftest import small_config
   config = small_config(num_heads=4)
   config.update_from_flattened_dict({field: value})
+  with pytest.raises(ValueError, match=re.escape(message)):
+    validation.validate_config(config)
+
+
+@pytest.mark.parametrize('overrides,message', [
+    ({'eval.draft_source': 'both', 'eval.tree': (2, 1, 1, 1)}, "eval.draft_source='both' drafts chains from the context, "
+     'without a tree (eval.tree)'),
+    ({'eval.draft_source': 'context', 'eval.draft_min_prob': 0.5}, 'without a tree (or eval.draft_min_prob)')])
+def test_context_drafts_with_a_tree_or_adaptive_depth_are_refused(overrides, message):
+  from conftest import small_config
+  config = small_config(num_heads=4)
+  config.update_from_flattened_dict(overrides)
   with pytest.raises(ValueError, match=re.escape(message)):
     validation.validate_config(config)
 

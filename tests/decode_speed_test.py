@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from benchmarks import decode_speed, hf_generate
-from mtpd_jax.harness import cli
+from benchmarks import decode_speed, hf_generate, tiny_heads
+from mtpd_jax.harness import cli, planner
 
 QUICK = ['--num_prompts=2', '--max_new_tokens=8', '--repeats=1', '--timing_steps=4', '--timing_repeats=1']
 
@@ -25,11 +25,17 @@ def _check_run(r: dict, depth: int) -> None:
 
 
 @pytest.mark.slow
-def test_tiny_quick(tmp_path):
+def test_tiny_quick(tmp_path, monkeypatch):
   out = tmp_path / 'decode_speed.json'
+  planned = []  # the options the planner is given: its candidates draft over their vocabulary
+  plan = planner.plan
+  monkeypatch.setattr(planner, 'plan', lambda model, prompts, opts, **kw: planned.append(opts) or plan(
+      model, prompts, opts, **kw))
   results = decode_speed.main(decode_speed.parse_args(
       QUICK + ['--train_steps=20', '--num_heads=2', '--num_layers=2', '--depths=3', '--draft_min_prob=0,0.5',
-               '--tree=2,1,1', '--speculation=auto', f'--out={out}']))
+               '--tree=2,1,1', '--speculation=auto', '--draft_source=heads,context,both', '--ngram=2',
+               '--draft_vocab=48', f'--out={out}']))
+  assert [len(o.draft.vocab) for o in planned] == [48] and planned[0].draft.ngram == 2
   saved = json.loads(out.read_text())
   assert set(saved) >= {'model', 'num_heads', 'train_s', 'args', 'model_config', 'sets', 'meta', 'adaptive_effect',
                         'tree_effect', 'auto_effect'}
@@ -44,9 +50,14 @@ def test_tiny_quick(tmp_path):
   assert tree['tree'] == [2, 1, 1] and tree['lossless'] is True
   assert saved['tree_effect']['synthetic/b1/depth3_mp0']['accept_len'] == tree['accept_len']
   assert saved['sets']['synthetic']['b1']['depth3_mp0.5_tree']['lossless'] is True  # adaptive depth on a tree
+  for key, source in (('depth3_mp0_context', 'context'), ('depth3_mp0_both', 'both'), ('depth3_mp0.5_both', 'both')):
+    r = saved['sets']['synthetic']['b1'][key]
+    _check_run(r, 3)
+    assert r['draft_source'] == source
+  assert 'depth3_mp0.5_context' not in saved['sets']['synthetic']['b1']  # no head probabilities to cut at
   auto, fixed = saved['auto_effect']['synthetic/b1'], saved['sets']['synthetic']['b1']
   assert auto['setting'] in ('plain', 'chain1', 'chain2', 'chain3', 'tree2x1', 'tree3x1', 'tree2x2', 'tree3x2',
-                             'chain3@0.5') and auto['lossless'] is True
+                             'chain3@0.5', 'context2', 'context4', 'both3') and auto['lossless'] is True
   assert auto['speedup'] == fixed['auto']['speedup_measured'] and auto['best_fixed'] != 'auto'
   assert auto['best_fixed_speedup'] == max(r['speedup_measured'] for k, r in fixed.items() if k != 'auto')
   effect = saved['adaptive_effect']['synthetic/b1/depth3']['0.5']
@@ -70,7 +81,8 @@ def test_parse_args_fills_per_model_defaults():
     with pytest.raises(cli.InputError, match='--draft_min_prob'):
       decode_speed.parse_args([f'--draft_min_prob={bad}'])
   for flag, bad in (('depths', 'abc'), ('depths', '0'), ('batch_sizes', '1,1'), ('draft_vocab', '-1'),
-                    ('speculation', 'fast'), ('calibration_prompts', '0')):
+                    ('speculation', 'fast'), ('calibration_prompts', '0'), ('draft_source', 'lookup'),
+                    ('draft_source', 'heads,heads'), ('ngram', '0')):
     with pytest.raises(cli.InputError, match=f'^--{flag}={bad} must be'):  # the flag is named, not int()'s words
       decode_speed.parse_args([f'--{flag}={bad}'])
   assert decode_speed.parse_args(['--tree=3,2,1,1']).tree == (3, 2, 1, 1)
@@ -93,7 +105,7 @@ def test_heads_only_training_moves_the_heads_and_leaves_the_trunk_bitwise(fake_g
   model = gguf_llama.load_model(fake_gguf, num_mtp_heads=2)
   before = {gguf_llama.param_key(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
   rows = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (8, 17))
-  xent_SxK = decode_speed.train_mtp(model, rows, steps=3, batch_size=4, lr=1e-2, trainable=decode_speed.HEADS,
+  xent_SxK = tiny_heads.train_mtp(model, rows, steps=3, batch_size=4, lr=1e-2, trainable=tiny_heads.HEADS,
                                     main_head=False)
   assert xent_SxK.shape == (3, 2) and np.all(np.isfinite(xent_SxK))
   after = {gguf_llama.param_key(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}

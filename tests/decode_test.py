@@ -11,7 +11,7 @@ import pytest
 import scipy.stats
 from flax import nnx
 
-from benchmarks import decode_speed
+from benchmarks import tiny_heads
 from mtpd_jax import decode, drafting, metrics, sampling
 from mtpd_jax.harness import evaluate
 from mtpd_jax.model import ModelConfig, MTPTransformer, cache_mask
@@ -26,14 +26,14 @@ STOP = (0, 31)  # the synthetic stream's EOS, and a token its progressions pass 
 def _prompts():
   """Ragged prompts: two openings of held-out synthetic documents and two random ones (the heads
   accept less after those, so sequences of one batch accept different lengths)."""
-  rows = decode_speed.synthetic_tokens(CFG.vocab_size, 16, range(2), seed=7)
+  rows = tiny_heads.synthetic_tokens(CFG.vocab_size, 16, range(2), seed=7)
   rng = np.random.default_rng(0)
   return [rows[0, :3], rows[1, :9], rng.integers(1, 32, 14), rng.integers(1, 32, 6)]
 
 
 @pytest.fixture(scope='module')
 def trained():
-  return decode_speed.train_tiny(CFG, steps=200, batch_size=8, seq_len=32, lr=3e-3)
+  return tiny_heads.train_tiny(CFG, steps=200, batch_size=8, seq_len=32, lr=3e-3)
 
 
 @pytest.fixture(scope='module')
@@ -82,7 +82,7 @@ def _decode_trace(structure, leaves, prompt_BxP, prompt_len_B, opts, num_steps):
     # The committed tokens, then (speculative) the chain's drafts after the pending token.
     buffer_BxS = st.tokens_BxS if st.nodes_BxO is None else write_at(
         st.tokens_BxS, (st.length_B - 1)[:, None] + jnp.arange(st.nodes_BxO.shape[1]), st.nodes_BxO)
-    draft_logits = None if st.draft_logits_BxOxV is None else st.draft_logits_BxOxV[:, :-1]  # the leaf drafts none
+    draft_logits = None if st.draft_logits_BxOxV is None else st.draft_logits_BxOxV[:, 1:]  # the root: none
     return decode.step(model, st, opts), (buffer_BxS, st.length_B, st.logits_BxV, draft_logits)
   st, trace = jax.lax.scan(body, st, length=num_steps)
   return trace, st.accept_BxI
@@ -209,7 +209,7 @@ def test_draft_vocabulary_keeps_greedy_output_and_is_checked(models):
   """Drafts from a subset of the vocabulary (frequent ids, or ids the drafts never need) change
   what is accepted, never what is emitted; bad ids are refused."""
   prompts = _prompts()
-  rows = decode_speed.synthetic_tokens(CFG.vocab_size, 32, range(64), seed=11)
+  rows = tiny_heads.synthetic_tokens(CFG.vocab_size, 32, range(64), seed=11)
   for name, model in models.items():
     plain = decode.generate(model, prompts, max_new_tokens=MAX_NEW, stop_tokens=STOP)
     for ids in (evaluate.frequent_tokens(rows, 12), np.arange(0, CFG.vocab_size, 3)):
@@ -316,8 +316,8 @@ def test_adaptive_depth_keeps_greedy_output_and_proposes_the_confident_prefix(mo
   opts = decode.options(MAX_NEW, draft_depth=3, temperature=1.0, draft_min_prob=0.6)
   st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
                                                               jax.random.key(0), opts), opts, 2)
-  top_BxJ = np.asarray(jnp.max(sampling.probs(st.draft_logits_BxOxV[:, :3], 1.0), axis=-1))  # a chain's nodes
-  proposed_B = np.asarray(st.proposes_BxO[:, :3]).sum(1)  # node j-1 proposes draft j
+  top_BxJ = np.asarray(jnp.max(sampling.probs(st.draft_logits_BxOxV[:, 1:], 1.0), axis=-1))  # a chain's drafts
+  proposed_B = np.asarray(st.proposed_BxO[:, 1:]).sum(1)
   np.testing.assert_array_equal(proposed_B, np.cumprod(top_BxJ >= 0.6, axis=1).sum(1))
   assert 0 < proposed_B.min() < 3 or 0 < proposed_B.max() < 3
   with pytest.raises(ValueError, match='draft_min_prob=1.5'):
@@ -330,7 +330,7 @@ def _proposed_and_accepted(structure, leaves, prompt_BxP, prompt_len_B, opts, nu
   model = structure.merge(leaves)
   st = decode.prefill(model, prompt_BxP, prompt_len_B, jax.random.key(0), opts)
   depth = opts.draft.depth
-  st, proposed_IxB = jax.lax.scan(lambda st, _: (decode.step(model, st, opts), jnp.sum(st.proposes_BxO[:, :depth], 1)),
+  st, proposed_IxB = jax.lax.scan(lambda st, _: (decode.step(model, st, opts), jnp.sum(st.proposed_BxO[:, 1:depth + 1], 1)),
                                   st, length=num_steps)
   return proposed_IxB.T, st.accept_BxI[:, :num_steps]
 
@@ -405,8 +405,9 @@ def test_sampled_tree_is_lossless_and_catches_siblings_tested_without_the_residu
 
 
 def test_sampled_tree_siblings_are_independent_draws_from_their_parents_q(sampling_setup):
-  """A node's children are b_j independent draws from the q its head gives: two siblings agree as
-  often as sum(q^2) says, and the children of different parents read their own parents' q."""
+  """A node's children are b_j independent draws from the q its head gives (each child carries
+  that q): two siblings agree as often as sum(q^2) says, and the children of different parents
+  read their own parents' q."""
   model, prompt, _ = sampling_setup
   tree = (3, 2)
   opts = decode.options(3, draft_depth=2, temperature=TEMPERATURE, top_p=TOP_P, tree=tree)
@@ -415,14 +416,15 @@ def test_sampled_tree_siblings_are_independent_draws_from_their_parents_q(sampli
   nodes_BxO = np.asarray(st.nodes_BxO)
   q_BxOxV = np.asarray(sampling.probs(st.draft_logits_BxOxV, TEMPERATURE, TOP_P))
   assert nodes_BxO.shape[1] == 10  # the root, 3 nodes at depth 1, 6 at depth 2
-  agree = np.mean(np.sum(q_BxOxV[:, 0] ** 2, axis=-1))  # P(two independent draws from the root's q agree)
+  np.testing.assert_array_equal(q_BxOxV[:, 1], q_BxOxV[:, 3])  # siblings carry their parent's one q
+  agree = np.mean(np.sum(q_BxOxV[:, 1] ** 2, axis=-1))  # P(two independent draws from the root's q agree)
   same = np.mean(nodes_BxO[:, 1] == nodes_BxO[:, 3])  # nodes 1 and 3: siblings at depth 1
   assert abs(same - agree) < 0.04 and agree < 0.8  # 2048 pairs: 4 standard errors
   # Node 1's children (4, 5) and node 2's (6, 7) come from different q's: their laws differ.
-  for parent, children in ((1, (4, 5)), (2, (6, 7))):
-    for child in children:  # each child is drawn from its parent's q: the empirical law matches it
-      freq_V = np.bincount(nodes_BxO[:, child], minlength=8) / len(nodes_BxO)
-      np.testing.assert_allclose(freq_V, q_BxOxV[:, parent].mean(0), atol=0.05)
+  assert np.abs(q_BxOxV[:, 4] - q_BxOxV[:, 6]).max() > 0.05
+  for child in (4, 5, 6, 7):  # each child is drawn from its parent's q: the empirical law matches it
+    freq_V = np.bincount(nodes_BxO[:, child], minlength=8) / len(nodes_BxO)
+    np.testing.assert_allclose(freq_V, q_BxOxV[:, child].mean(0), atol=0.05)
 
 
 def test_sampled_siblings_raise_the_acceptance_length(trained):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from benchmarks import decode_speed
+from benchmarks import tiny_heads
 from mtpd_jax import decode
 from mtpd_jax.harness import display
 from mtpd_jax.model import ModelConfig
@@ -29,8 +29,8 @@ def test_highlight_marks_exactly_the_accepted_drafts_and_escapes_text():
 
 
 def test_step_chunks_account_for_a_real_generation():
-  model = decode_speed.train_tiny(CFG, steps=150, batch_size=8, seq_len=32, lr=3e-3)
-  prompts = list(decode_speed.synthetic_tokens(CFG.vocab_size, 8, range(2), seed=3))
+  model = tiny_heads.train_tiny(CFG, steps=150, batch_size=8, seq_len=32, lr=3e-3)
+  prompts = list(tiny_heads.synthetic_tokens(CFG.vocab_size, 8, range(2), seed=3))
   gen = decode.generate(model, prompts, max_new_tokens=20, draft_depth=2)
   for tokens, accepts in zip(gen.tokens, gen.accept_lengths):
     chunks = display.step_chunks(tokens, accepts)

@@ -261,10 +261,10 @@ def test_moe_tiny_trunk_trains_with_mtpd_heads(tmp_path):
 
 @pytest.fixture(scope='module')
 def trained_moe():
-  from benchmarks import decode_speed
+  from benchmarks import tiny_heads
   cfg = M.ModelConfig(vocab_size=32, dim=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
                       num_mtp_heads=2, max_seq_len=128, moe=moe.MoEConfig(num_experts=4, top_k=2, expert_dim=32))
-  return decode_speed.train_tiny(cfg, steps=150, batch_size=8, seq_len=32, lr=3e-3)
+  return tiny_heads.train_tiny(cfg, steps=150, batch_size=8, seq_len=32, lr=3e-3)
 
 
 @pytest.mark.parametrize('depth', [1, 3])

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from benchmarks import decode_speed
+from benchmarks import tiny_heads
 from mtpd_jax import decode
 from mtpd_jax.drafting import DraftPlan
 from mtpd_jax.harness import evaluate, planner
@@ -18,25 +18,29 @@ CFG = ModelConfig(vocab_size=32, dim=32, num_layers=2, num_heads=2, num_kv_heads
 
 @pytest.fixture(scope='module')
 def model():
-  return decode_speed.train_tiny(CFG, steps=120, batch_size=8, seq_len=32, lr=3e-3)
+  return tiny_heads.train_tiny(CFG, steps=120, batch_size=8, seq_len=32, lr=3e-3)
 
 
 @pytest.fixture(scope='module')
 def prompts():
-  return list(decode_speed.synthetic_tokens(CFG.vocab_size, 12, range(4), seed=1_000_003))
+  return list(tiny_heads.synthetic_tokens(CFG.vocab_size, 12, range(4), seed=1_000_003))
 
 
-def test_candidates_cover_plain_chains_trees_and_adaptive_depth_with_the_options_sampling():
-  opts = decode.options(16, draft_depth=2, draft_vocab=np.arange(8), temperature=0.7, top_p=0.9, stop_tokens=(3,))
+def test_candidates_cover_plain_chains_trees_adaptive_depth_and_the_context_with_the_options_sampling():
+  opts = decode.options(16, draft_depth=2, draft_vocab=np.arange(8), temperature=0.7, top_p=0.9, stop_tokens=(3,),
+                        ngram=2)
   got = planner.candidates(opts, num_heads=2, max_depth=3)
   assert list(got) == ['plain', 'chain1', 'chain2', 'chain3', 'tree2x1', 'tree3x1', 'tree2x2', 'tree3x2',
-                       'chain3@0.5']
+                       'chain3@0.5', 'context2', 'context4', 'both3']
   assert got['plain'].draft == DraftPlan()
-  assert got['tree3x2'].draft == DraftPlan(2, (3, 2), 0.0, tuple(range(8)))
-  assert got['chain3@0.5'].draft == DraftPlan(3, (), 0.5, tuple(range(8)))
+  assert got['tree3x2'].draft == DraftPlan(2, (3, 2), 0.0, tuple(range(8)), ngram=2)
+  assert got['chain3@0.5'].draft == DraftPlan(3, (), 0.5, tuple(range(8)), ngram=2)
+  assert got['context4'].draft == DraftPlan(4, (), 0.0, tuple(range(8)), 'context', 2)
+  assert got['both3'].draft == DraftPlan(3, (), 0.0, tuple(range(8)), 'both', 2)
   for o in got.values():  # only the draft plan varies
     assert dataclasses.replace(o, draft=DraftPlan()) == opts.plain()
-  assert list(planner.candidates(decode.options(16), num_heads=1)) == ['plain', 'chain1']
+  assert list(planner.candidates(decode.options(16), num_heads=1)) == ['plain', 'chain1', 'context2', 'context4',
+                                                                       'both1']
 
 
 def test_choose_maximises_tokens_per_step_cost_and_keeps_plain_unless_beaten_by_the_margin():

@@ -174,7 +174,7 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, opts: decode.DecodeOptio
       **stats,
       'draft_depth': plan.depth,
       'draft_vocab': len(plan.vocab),
-      'draft_min_prob': plan.min_prob, 'tree': list(plan.tree),
+      'draft_min_prob': plan.min_prob, 'tree': list(plan.tree), 'draft_source': plan.source,
       'lossless': all(np.array_equal(a, b) for a, b in zip(plain.tokens, spec.tokens)),
       'prompts': len(prompts), 'new_tokens': spec_tokens,
       'plain_tokens_per_s': plain_tps, 'spec_tokens_per_s': spec_tps,

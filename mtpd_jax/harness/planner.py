@@ -29,6 +29,7 @@ from mtpd_jax.model import MTPTransformer
 
 TREES = ((2, 1), (3, 1), (2, 2), (3, 2))  # the tree shapes tried beside the chains
 ADAPTIVE_MIN_PROB = 0.5                  # adaptive depth tried on the deepest chain
+CONTEXT_DEPTHS = (2, 4)                  # prompt-lookup chains tried (copies pay in runs)
 
 
 class Choice(NamedTuple):
@@ -41,11 +42,12 @@ class Choice(NamedTuple):
 def candidates(opts: decode.DecodeOptions, num_heads: int,
                max_depth: int = 0) -> dict[str, decode.DecodeOptions]:
   """Plain decoding, chains of depth 1..max_depth (default: K, or the configured depth if deeper),
-  the trees of `TREES` that fit that depth, and adaptive depth on the deepest chain, all drafting
-  over the configured draft vocabulary, with the options' temperature, top-p and stop tokens."""
+  the trees of `TREES` that fit that depth, adaptive depth on the deepest chain, the context's
+  chains of `CONTEXT_DEPTHS` and the deepest chain beside the context's, all drafting over the
+  configured draft vocabulary, with the options' n-gram, temperature, top-p and stop tokens."""
   max_depth = max_depth or max(num_heads, opts.draft.depth)
-  plan = lambda depth, tree=(), min_prob=0.0: dataclasses.replace(
-      opts, draft=DraftPlan(depth, tree, min_prob, opts.draft.vocab))
+  plan = lambda depth, tree=(), min_prob=0.0, source='heads': dataclasses.replace(
+      opts, draft=DraftPlan(depth, tree, min_prob, opts.draft.vocab, source, opts.draft.ngram))
   out = {'plain': opts.plain()}
   out.update({f'chain{j}': plan(j) for j in range(1, max_depth + 1)})
   for tree in TREES:
@@ -53,6 +55,8 @@ def candidates(opts: decode.DecodeOptions, num_heads: int,
       out['tree' + 'x'.join(map(str, tree))] = plan(len(tree), tree)
   if max_depth >= 2:
     out[f'chain{max_depth}@{ADAPTIVE_MIN_PROB}'] = plan(max_depth, (), ADAPTIVE_MIN_PROB)
+  out.update({f'context{j}': plan(j, source='context') for j in CONTEXT_DEPTHS})
+  out[f'both{max_depth}'] = plan(max_depth, source='both')
   return out
 
 

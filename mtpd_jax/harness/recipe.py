@@ -192,7 +192,9 @@ def decode_options(config: ml_collections.ConfigDict, draft_depth: int, head_voc
   if vocab is None and e.get('draft_vocab', 0):
     vocab = frequent_training_tokens(config, e.draft_vocab)
   return decode.options(e.max_new_tokens, draft_depth=draft_depth, tree=tuple(e.get('tree', ())),
-                        draft_min_prob=e.get('draft_min_prob', 0.0), draft_vocab=vocab, stop_tokens=stop_tokens(config))
+                        draft_min_prob=e.get('draft_min_prob', 0.0), draft_vocab=vocab,
+                        draft_source=e.get('draft_source', 'heads'), ngram=e.get('ngram', 3),
+                        stop_tokens=stop_tokens(config))
 
 
 def use_chat_template(config: ml_collections.ConfigDict, tokenizer) -> bool:

@@ -9,7 +9,7 @@ import os
 import ml_collections
 from flax import traverse_util
 
-from mtpd_jax import data, decode, losses, sharding
+from mtpd_jax import data, decode, drafting, losses, sharding
 from mtpd_jax.harness import corpus, export, pretrained, prompts, recipe, text_corpus, trunk_cache
 from mtpd_jax.harness.rules import Rule, flag, integer, is_int, is_real, one_of, optional, real, text
 
@@ -190,6 +190,8 @@ FIELD_RULES: dict[str, Rule] = {
     'eval.draft_vocab': integer(0, 'model.vocab_size'),
     'eval.draft_min_prob': real(0, 1),
     'eval.tree': Rule('() | branchings >= 1, one per draft depth', _tree),
+    'eval.draft_source': one_of(*drafting.SOURCES),
+    'eval.ngram': integer(1),
     'eval.repeats': integer(1),
     'eval.timing_steps': integer(1),
     'eval.timing_repeats': integer(1),
@@ -266,6 +268,9 @@ def _check_cross_fields(config: ml_collections.ConfigDict) -> None:
   heads = tuple(config.looped.schedule)[-1] if config.looped.schedule else k
   if e.enabled and e.draft_depth and not heads:
     raise ValueError(f'eval.draft_depth={e.draft_depth} drafts with MTP heads, but mtp.num_heads=0')
+  if e.draft_source != 'heads' and (e.tree or (e.draft_source == 'context' and e.draft_min_prob)):
+    raise ValueError(f'eval.draft_source={e.draft_source!r} drafts chains from the context, without a tree '
+                     f"({'eval.tree' if e.tree else 'or eval.draft_min_prob'}); leave those at their defaults")
   if e.tree and len(e.tree) != (e.draft_depth or heads):
     raise ValueError(f'eval.tree={tuple(e.tree)} has {len(e.tree)} depths, but decoding drafts '
                      f'{e.draft_depth or heads} (eval.draft_depth, or the number of heads)')
