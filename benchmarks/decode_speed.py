@@ -245,6 +245,28 @@ def _print(prefix: str, r: dict) -> None:
   print(f"{prefix}/ar=" + ','.join(f'{x:.3f}' for x in r['ar']))
 
 
+def fixed_settings(args: types.SimpleNamespace, depths, vocabs: dict, stop) -> tuple[dict, dict, dict]:
+  """Every fixed decoding setting the flags ask for, once: ({key: DecodeOptions}, {chain key without
+  the threshold: {threshold: key}}, {chain key: its tree's key})."""
+  settings, chains, trees = {}, {}, {}
+  for depth, (n, vocab), p, tree, source in itertools.product(depths, vocabs.items(), args.draft_min_prob,
+                                                              dict.fromkeys(((), args.tree)), args.draft_source):
+    if (tree and len(tree) != depth) or (source != 'heads' and (tree or (source == 'context' and p))):
+      continue
+    chain = f'depth{depth}' + (f'_dv{n}' if len(vocabs) > 1 else '')
+    key = chain + (f'_mp{p:g}' if len(args.draft_min_prob) > 1 else '')
+    if tree:
+      trees[key] = key + '_tree'
+      key += '_tree'
+    elif source != 'heads':
+      key += f'_{source}'
+    else:
+      chains.setdefault(chain, {})[p] = key
+    settings[key] = decode.options(args.max_new_tokens, draft_depth=depth, tree=tree, draft_min_prob=p,
+                                   draft_vocab=vocab, draft_source=source, ngram=args.ngram, stop_tokens=stop)
+  return settings, chains, trees
+
+
 def main(args: types.SimpleNamespace) -> dict:
   gguf = args.model != 'tiny'
   model, sets, stop, pad, train_tokens, info = (_gguf_setup if gguf else _tiny_setup)(args)
@@ -256,24 +278,10 @@ def main(args: types.SimpleNamespace) -> dict:
   batch_sizes = args.batch_sizes
   results = {'model': args.model, 'num_heads': model.cfg.num_mtp_heads, **info, 'args': vars(args),
              'model_config': dataclasses.asdict(model.cfg), 'sets': {}}
-  chains, trees = {}, {}  # key without the threshold -> {threshold: key}; chain key -> its tree's key
+  settings, chains, trees = fixed_settings(args, depths, vocabs, stop)
   for name, prompts in sets.items():
     for b in batch_sizes:
-      for depth, (n, vocab), p, tree, source in itertools.product(depths, vocabs.items(), args.draft_min_prob,
-                                                                  ((), args.tree), args.draft_source):
-        if (tree and len(tree) != depth) or (source != 'heads' and (tree or (source == 'context' and p))):
-          continue
-        chain = f'depth{depth}' + (f'_dv{n}' if len(vocabs) > 1 else '')
-        key = chain + (f'_mp{p:g}' if len(args.draft_min_prob) > 1 else '')
-        if tree:
-          trees[key] = key + '_tree'
-          key += '_tree'
-        elif source != 'heads':
-          key += f'_{source}'
-        else:
-          chains.setdefault(chain, {})[p] = key
-        opts = decode.options(args.max_new_tokens, draft_depth=depth, tree=tree, draft_min_prob=p, draft_vocab=vocab,
-                              draft_source=source, ngram=args.ngram, stop_tokens=stop)
+      for key, opts in settings.items():
         r = evaluate.evaluate_prompt_set(model, prompts, opts, batch_size=b, pad_multiple=pad, repeats=args.repeats,
                                          timing_steps=args.timing_steps, timing_repeats=args.timing_repeats)
         r['speedup_measured_over_analytic'] = r['speedup_measured'] / r['speedup_analytic']

@@ -67,6 +67,23 @@ def test_tiny_quick(tmp_path, monkeypatch):
       adaptive['spec_tokens_per_s'] / saved['sets']['synthetic']['b1']['depth3_mp0']['spec_tokens_per_s'])
 
 
+def test_each_fixed_setting_is_decoded_once_and_named_by_what_varies():
+  """No --tree: one chain per depth and source (a tree of () once doubled every setting); a list of
+  thresholds names each; context chains take no threshold, so none is made at 0.5."""
+  args = decode_speed.parse_args(['--draft_min_prob=0,0.5', '--draft_source=heads,context,both', '--ngram=2'])
+  settings, chains, trees = decode_speed.fixed_settings(args, [2, 3], {0: None}, (7,))
+  assert list(settings) == ['depth2_mp0', 'depth2_mp0_context', 'depth2_mp0_both', 'depth2_mp0.5',
+                            'depth2_mp0.5_both', 'depth3_mp0', 'depth3_mp0_context', 'depth3_mp0_both',
+                            'depth3_mp0.5', 'depth3_mp0.5_both']
+  assert chains == {'depth2': {0.0: 'depth2_mp0', 0.5: 'depth2_mp0.5'}, 'depth3': {0.0: 'depth3_mp0', 0.5: 'depth3_mp0.5'}}
+  assert trees == {}
+  plan = settings['depth3_mp0.5_both'].draft
+  assert (plan.depth, plan.min_prob, plan.source, plan.ngram) == (3, 0.5, 'both', 2)
+  assert settings['depth2_mp0'].stop_tokens == (7,)
+  _, _, trees = decode_speed.fixed_settings(decode_speed.parse_args(['--tree=2,1']), [2, 3], {0: None}, ())
+  assert trees == {'depth2': 'depth2_tree'}
+
+
 def test_parse_args_fills_per_model_defaults():
   tiny = decode_speed.parse_args([])
   assert (tiny.train_steps, tiny.depths, tiny.batch_sizes, tiny.out.endswith('results/decode_speed.json')) == (
