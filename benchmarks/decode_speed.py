@@ -56,6 +56,7 @@ import os
 import time
 import types
 
+import jax
 import numpy as np
 from absl import flags
 
@@ -277,7 +278,7 @@ def main(args: types.SimpleNamespace) -> dict:
   depths = args.depths or [model.cfg.num_mtp_heads]
   batch_sizes = args.batch_sizes
   results = {'model': args.model, 'num_heads': model.cfg.num_mtp_heads, **info, 'args': vars(args),
-             'model_config': dataclasses.asdict(model.cfg), 'sets': {}}
+             'model_config': dataclasses.asdict(model.cfg), 'sets': {}, 'complete': False}
   settings, chains, trees = fixed_settings(args, depths, vocabs, stop)
   for name, prompts in sets.items():
     for b in batch_sizes:
@@ -291,6 +292,7 @@ def main(args: types.SimpleNamespace) -> dict:
           r['spec_wall_ms_per_step'] = 1e3 * spec_s / max(r['steps'], 1)
         results['sets'].setdefault(name, {}).setdefault(f'b{b}', {})[key] = r
         _print(f'{name}/b{b}/{key}', r)
+      _checkpoint(args, results)
   if len(vocabs) > 1 and 0 in vocabs:
     results['draft_vocab_effect'] = decode_effects.draft_vocab_effect(results['sets'], depths, vocabs)
     for where, by_size in results['draft_vocab_effect'].items():
@@ -320,6 +322,7 @@ def main(args: types.SimpleNamespace) -> dict:
                           stop_tokens=stop)
     tpf = None  # acceptance, measured by the first plan and reused: it does not depend on the batch size
     for b in batch_sizes:
+      _checkpoint(args, results)
       choice = planner.plan(model, calibration, base, batch_size=b, pad_multiple=pad, max_depth=max(depths),
                             cache_dir=args.planner_cache or None, tokens_per_forward=tpf)
       tpf = {name: r['tokens_per_forward'] for name, r in choice.rows.items()}
@@ -345,9 +348,22 @@ def main(args: types.SimpleNamespace) -> dict:
                                      pad_multiple=pad, args=args))
     if isinstance(results.get('hf'), str):
       print(f"hf={results['hf']}")
+  results['complete'] = True
+  _write(args, results)
+  return results
+
+
+def _write(args: types.SimpleNamespace, results: dict) -> None:
   out = os.path.abspath(args.out)
   common.write_results(os.path.splitext(os.path.basename(out))[0], results, os.path.dirname(out))
-  return results
+
+
+def _checkpoint(args: types.SimpleNamespace, results: dict) -> None:
+  """Write what is measured so far (`complete` stays False until the end), and drop the compiled
+  programs: a SmolLM2 run of every setting and the planner's candidates at two batch sizes
+  otherwise held enough of them that LLVM could no longer allocate (it died at the batch-8 plan)."""
+  _write(args, results)
+  jax.clear_caches()
 
 
 if __name__ == '__main__':

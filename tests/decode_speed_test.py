@@ -39,7 +39,7 @@ def test_tiny_quick(tmp_path, monkeypatch):
   saved = json.loads(out.read_text())
   assert set(saved) >= {'model', 'num_heads', 'train_s', 'args', 'model_config', 'sets', 'meta', 'adaptive_effect',
                         'tree_effect', 'auto_effect'}
-  assert saved['meta']['command'] and saved['meta']['date'].startswith('20')
+  assert saved['meta']['command'] and saved['meta']['date'].startswith('20') and saved['complete'] is True
   assert list(saved['sets']) == ['synthetic'] and list(saved['sets']['synthetic']) == ['b1']
   for key, p in (('depth3_mp0', 0.0), ('depth3_mp0.5', 0.5)):  # depth 3 loops head 1 again
     r = saved['sets']['synthetic']['b1'][key]
