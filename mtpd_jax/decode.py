@@ -180,7 +180,8 @@ def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOp
     return st
   heads = plan.source != 'context'  # prompt lookup runs no head
   if heads and not cfg.num_mtp_heads:
-    raise ValueError("speculative decoding needs a model with MTP heads (num_mtp_heads >= 1), or draft_source='context'")
+    raise ValueError('speculative decoding needs a model with MTP heads (num_mtp_heads >= 1), '
+                     "or draft_source='context'")
   st = st._replace(
       accept_BxI=jnp.full((b, opts.max_new_tokens), -1, jnp.int32),
       h0_BxSxD=jnp.zeros((b, s, cfg.dim), h_BxPxD.dtype).at[:, :p].set(h_BxPxD),
