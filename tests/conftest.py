@@ -82,6 +82,18 @@ def gathered_shapes(hlo: str) -> list[list[int]]:
   return shapes
 
 
+@pytest.fixture
+def few_candidates(monkeypatch):
+  """The planner tries only plain, one head chain and one context chain: for tests of how a caller
+  wires the planner in, where each further candidate only compiles two more programs (the planner's
+  full candidate set is planner_test's)."""
+  from mtpd_jax.harness import planner  # pylint: disable=import-outside-toplevel
+  every = planner.candidates
+  keep = lambda name: name in ('plain', 'chain1', 'context2')
+  monkeypatch.setattr(planner, 'candidates',
+                      lambda *a, **k: {n: o for n, o in every(*a, **k).items() if keep(n)})
+
+
 def pytest_xdist_auto_num_workers(config):
   """`-n auto` (make test): one worker more than the cores. Many tests wait on subprocesses starting
   up, on checkpoint writes or on a signal: with one worker per core, a niced job beside a 2-core

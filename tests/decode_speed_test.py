@@ -25,6 +25,7 @@ def _check_run(r: dict, depth: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures('few_candidates')
 def test_tiny_quick(tmp_path, monkeypatch):
   out = tmp_path / 'decode_speed.json'
   planned = []  # the options the planner is given: its candidates draft over their vocabulary
@@ -56,8 +57,7 @@ def test_tiny_quick(tmp_path, monkeypatch):
     assert r['draft_source'] == source
   assert 'depth3_mp0.5_context' not in saved['sets']['synthetic']['b1']  # no head probabilities to cut at
   auto, fixed = saved['auto_effect']['synthetic/b1'], saved['sets']['synthetic']['b1']
-  assert auto['setting'] in ('plain', 'chain1', 'chain2', 'chain3', 'tree2x1', 'tree3x1', 'tree2x2', 'tree3x2',
-                             'chain3@0.5', 'context2', 'context4', 'both3') and auto['lossless'] is True
+  assert auto['setting'] in ('plain', 'chain1', 'context2') and auto['lossless'] is True
   assert auto['speedup'] == fixed['auto']['speedup_measured'] and auto['best_fixed'] != 'auto'
   assert auto['best_fixed_speedup'] == max(r['speedup_measured'] for k, r in fixed.items() if k != 'auto')
   effect = saved['adaptive_effect']['synthetic/b1/depth3']['0.5']

@@ -96,6 +96,7 @@ def test_plain_when_nothing_pays_and_the_pick_decodes_losslessly(model, prompts,
     planner.plan(model, [], decode.options(16), batch_size=2)
 
 
+@pytest.mark.usefixtures('few_candidates')
 def test_eval_speculation_auto_times_the_planners_pick_on_every_set_after_the_configured_one(tmp_path):
   """`eval.speculation='auto'`: the configured decoding's tables as before, plus per set the pick of a
   planner calibrated on prompts past eval.max_prompts, timed against plain decoding."""
