@@ -54,6 +54,7 @@ def test_choose_maximises_tokens_per_step_cost_and_keeps_plain_unless_beaten_by_
   assert planner.choose(slow, tpf, margin=0.0)[0] == 'chain1'
 
 
+@pytest.mark.usefixtures('few_candidates')  # every candidate decodes in the test below
 def test_plan_measures_caches_and_picks_what_its_table_says(model, prompts, tmp_path, monkeypatch):
   opts = decode.options(16)
   lines = []
