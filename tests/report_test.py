@@ -93,6 +93,25 @@ def test_rows_pair_with_their_reference_and_old_results_without_counts_are_skipp
   assert list(saved['rows']) == ['MTP', 'MTP-D', 'old'] and list(saved['paired']) == ['MTP-D']
 
 
+def _timed(speedup, spec_tokens_per_s):
+  run = _run()
+  run['eval']['prompt_sets']['chat'].update(speedup_measured=speedup, spec_tokens_per_s=spec_tokens_per_s)
+  return run
+
+
+def test_speed_across_rows_is_the_ratio_of_side_by_side_speedups_and_says_when_all_lose():
+  # Two identical models timed minutes apart: the machine ran the second 1.222x faster, plain and
+  # speculative alike, so raw tokens/s differ while each speedup over its own plain decoding does not.
+  rows = [('MTP', [_timed(0.6, 9.0)]), ('Top N = 1', [_timed(0.6, 11.0)]), ('MTP-D', [_timed(0.75, 9.0)])]
+  table = report.results_table(rows)
+  cells = {line.split(' | ')[0][2:]: line.split(' | ')[-1] for line in table.splitlines()[2:]}
+  assert cells == {'MTP': '1.000× |', 'Top N = 1': '1.000× |', 'MTP-D': '1.250× |'}
+  assert 'slower than plain decoding in every row' in report.speed_caption(rows)
+  assert 'in every row' not in report.speed_caption(rows + [('fast', [_timed(1.1, 9.0)])])
+  rows[2][1][0]['eval']['prompt_sets']['chat']['speedup_batch1'] = 1.05  # faster one prompt at a time
+  assert 'in every row' not in report.speed_caption(rows)
+
+
 def test_seeds_are_resampled_so_their_spread_widens_the_interval():
   rng = np.random.default_rng(1)
   steps = rng.integers(40, 60, 64)
