@@ -38,6 +38,9 @@ def test_evaluate_prompt_set_and_write_report(tmp_path):
   assert r['tokens_per_forward'] == pytest.approx(1 + r['accept_len'])
   assert r['speedup_analytic'] == pytest.approx(r['tokens_per_forward'] / r['verify_cost_ratio'])
   assert r['speedup_measured'] == pytest.approx(r['spec_tokens_per_s'] / r['plain_tokens_per_s'])
+  # One timing round: its speedup is the measured one (each round's, for the report's noise marks).
+  assert r['speedup_rounds'] == [pytest.approx(r['speedup_measured'])]
+  assert r['speedup_batch1_rounds'] == [pytest.approx(r['speedup_batch1'])]
 
   results = {'chat': r, 'code': {**r, 'ar': r['ar'][:2], 'car': r['car'][:2]}}
   evaluate.write_report(results, str(tmp_path), heldout={'loss': 1.5, 'accuracy': 0.25, 'tokens': 10})
@@ -63,11 +66,13 @@ def test_timed_decode_gives_each_prompt_its_own_generation_and_compiles_a_shape_
   kwargs = {'plain': dict(max_new_tokens=6), 'spec': dict(max_new_tokens=6, draft_depth=3)}
   settings = {name: decode.options(**kw) for name, kw in kwargs.items()}
   compiled = set()
-  runs = evaluate.timed_decode(model, prompts, settings, batch_size=2, repeats=2, compiled=compiled)
+  rounds = {}
+  runs = evaluate.timed_decode(model, prompts, settings, batch_size=2, repeats=2, compiled=compiled, rounds=rounds)
   assert compiled == {(name, (2, p)) for name in settings for p in (64, 128)}
   for name, kw in kwargs.items():
     gen, seconds = runs[name]
     assert seconds > 0 and len(gen.tokens) == len(prompts)
+    assert len(rounds[name]) == 2 and min(rounds[name]) >= seconds  # each round's sum, the best per batch's
     for p, tokens, accepts in zip(prompts, gen.tokens, gen.accept_lengths):  # in the prompts' order
       alone = decode.generate(model, [p], pad_multiple=64 * (1 + (len(p) > 64)), **kw)
       np.testing.assert_array_equal(tokens, alone.tokens[0])

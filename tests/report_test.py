@@ -110,6 +110,23 @@ def test_speed_across_rows_is_the_ratio_of_side_by_side_speedups_and_says_when_a
   assert 'in every row' not in report.speed_caption(rows + [('fast', [_timed(1.1, 9.0)])])
   rows[2][1][0]['eval']['prompt_sets']['chat']['speedup_batch1'] = 1.05  # faster one prompt at a time
   assert 'in every row' not in report.speed_caption(rows)
+  assert report.NOISE not in table and report.NOISE.strip() not in report.speed_caption(rows)  # no rounds kept
+
+
+def test_a_speed_whose_timing_rounds_reach_plain_or_the_first_rows_is_marked_inside_noise():
+  def timed(speedup, rounds):
+    run = _timed(speedup, 9.0)
+    run['eval']['prompt_sets']['chat']['speedup_rounds'] = rounds
+    return run
+  rows = [('MTP', [timed(0.85, [0.85, 0.80, 0.83])]), ('Top N = 1', [timed(0.76, [0.76, 0.82, 0.79])]),
+          ('fast', [timed(1.3, [1.3, 1.25, 1.28])]), ('plain-like', [timed(1.02, [1.02, 0.97, 1.0])])]
+  assert report.round_range([rows[1][1][0]['eval']], 'speedup') == (0.76, 0.82)
+  cells = {line.split(' | ')[0][2:]: line.split(' | ')[-2:] for line in report.results_table(rows).splitlines()[2:]}
+  assert cells['MTP'] == ['0.850×', '1.000× |']
+  assert cells['Top N = 1'] == ['0.760×', '0.894× (inside noise) |']   # 0.76-0.82 meets 0.80-0.85
+  assert cells['fast'] == ['1.300×', '1.529× |']
+  assert cells['plain-like'] == ['1.020× (inside noise)', '1.200× |']  # 0.97-1.02 holds 1x
+  assert 'marked (inside noise)' in report.speed_caption(rows)
 
 
 def test_seeds_are_resampled_so_their_spread_widens_the_interval():

@@ -40,8 +40,8 @@ def _batches(prompts, batch_size: int):
 
 
 def timed_decode(model: MTPTransformer, prompts, settings: dict[str, decode.DecodeOptions], *, batch_size: int = 8,
-                 pad_multiple: int = 64, repeats: int = 3,
-                 compiled: set | None = None) -> dict[str, tuple[decode.Generation, float]]:
+                 pad_multiple: int = 64, repeats: int = 3, compiled: set | None = None,
+                 rounds: dict | None = None) -> dict[str, tuple[decode.Generation, float]]:
   """Decode all prompts under each named setting: outputs and wall-clock seconds.
 
   Batch by batch, the settings take turns, so a change in machine load hits them alike. A setting
@@ -49,11 +49,14 @@ def timed_decode(model: MTPTransformer, prompts, settings: dict[str, decode.Deco
   time is the sum over batches of each batch's best of `repeats`, which filters out interruptions
   by other processes. `compiled` holds the (setting, shape) pairs already compiled; pass one set to
   calls that decode the same model under the same settings, so that only the first compiles.
+  `rounds`, if given, receives per setting the seconds of each of the `repeats` rounds (summed
+  over batches): their spread is the timing's noise.
   """
   structure, leaves = decode.split(model)
   compiled = set() if compiled is None else compiled
   out = {name: [None] * len(prompts) for name in settings}
   seconds = dict.fromkeys(settings, 0.0)
+  per_round = {name: [0.0] * max(repeats, 1) for name in settings}
   for idx, batch in _batches(prompts, batch_size):
     shape = decode.pad_prompts(batch, pad_multiple)[0].shape
     for name, opts in settings.items():
@@ -61,15 +64,19 @@ def timed_decode(model: MTPTransformer, prompts, settings: dict[str, decode.Deco
         decode.generate_split(structure, leaves, batch, opts, pad_multiple=pad_multiple)
         compiled.add((name, shape))
     best = dict.fromkeys(settings, math.inf)
-    for _ in range(max(repeats, 1)):
+    for r in range(max(repeats, 1)):
       for name, opts in settings.items():
         start = time.perf_counter()
         gen = decode.generate_split(structure, leaves, batch, opts, pad_multiple=pad_multiple)
-        best[name] = min(best[name], time.perf_counter() - start)
+        took = time.perf_counter() - start
+        best[name] = min(best[name], took)
+        per_round[name][r] += took
         for row, k in enumerate(idx):
           out[name][k] = gen.tokens[row], gen.accept_lengths[row]
     for name in settings:
       seconds[name] += best[name]
+  if rounds is not None:
+    rounds.update(per_round)
   return {name: (decode.Generation(*map(list, zip(*out[name]))), seconds[name]) for name in settings}
 
 
@@ -139,6 +146,13 @@ def teacher_forced(model: MTPTransformer, prompts, continuations, draft_depth: i
   return {**stats, 'main_loss': float(loss), 'main_accuracy': float(correct)}
 
 
+def _round_speedups(rounds: dict, runs: dict) -> list[float]:
+  """The speedup each timing round measured (plain's seconds over speculative's, times the token
+  ratio), so a report can tell a difference from the timing's noise (docs/design.md, "Metrics")."""
+  tokens = {name: sum(map(len, gen.tokens)) for name, (gen, _) in runs.items()}
+  return [(tokens['spec'] / s) / (tokens['plain'] / p) for p, s in zip(rounds['plain'], rounds['spec'])]
+
+
 def evaluate_prompt_set(model: MTPTransformer, prompts, opts: decode.DecodeOptions, *, batch_size: int = 8,
                         pad_multiple: int = 64, repeats: int = 3, timing_steps: int = 256, timing_repeats: int = 5,
                         latency_prompts: int = 0, compiled: set | None = None) -> dict:
@@ -153,8 +167,9 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, opts: decode.DecodeOptio
   """
   plan = opts.draft
   settings = {'plain': opts.plain(), 'spec': opts}
+  rounds, rounds1 = {}, {}
   runs = timed_decode(model, prompts, settings, batch_size=batch_size, pad_multiple=pad_multiple, repeats=repeats,
-                      compiled=compiled)
+                      compiled=compiled, rounds=rounds)
   (plain, plain_s), (spec, spec_s) = runs['plain'], runs['spec']
   stats = metrics.acceptance_stats(np.concatenate(spec.accept_lengths), plan.depth)
   plain_tokens, spec_tokens = sum(map(len, plain.tokens)), sum(map(len, spec.tokens))
@@ -166,10 +181,11 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, opts: decode.DecodeOptio
   latency = {}
   if latency_prompts:
     one = timed_decode(model, prompts[:latency_prompts], settings, batch_size=1, pad_multiple=pad_multiple,
-                       repeats=repeats, compiled=compiled)
+                       repeats=repeats, compiled=compiled, rounds=rounds1)
     tps = {name: sum(map(len, gen.tokens)) / s for name, (gen, s) in one.items()}
     latency = {'latency_prompts': min(latency_prompts, len(prompts)), 'plain_tokens_per_s_batch1': tps['plain'],
-               'spec_tokens_per_s_batch1': tps['spec'], 'speedup_batch1': tps['spec'] / tps['plain']}
+               'spec_tokens_per_s_batch1': tps['spec'], 'speedup_batch1': tps['spec'] / tps['plain'],
+               'speedup_batch1_rounds': _round_speedups(rounds1, one)}
   return {
       **stats,
       'draft_depth': plan.depth,
@@ -179,6 +195,7 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, opts: decode.DecodeOptio
       'prompts': len(prompts), 'new_tokens': spec_tokens,
       'plain_tokens_per_s': plain_tps, 'spec_tokens_per_s': spec_tps,
       'speedup_measured': spec_tps / plain_tps,
+      'speedup_rounds': _round_speedups(rounds, runs),
       'plain_step_ms': 1e3 * plain_step, 'spec_step_ms': 1e3 * spec_step,
       'verify_cost_ratio': spec_step / plain_step,
       'speedup_analytic': stats['tokens_per_forward'] / (spec_step / plain_step),

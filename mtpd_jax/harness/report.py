@@ -31,12 +31,33 @@ def _at(seq, k):
   return seq[k] if k < len(seq) else None
 
 
+NOISE = ' (inside noise)'
+
+
+def round_range(evs, key: str) -> tuple[float, float] | None:
+  """The lowest and highest speedup (`key`: 'speedup' or 'speedup_batch1') measured in one of the
+  evaluations' timing rounds (eval.repeats), each round's mean over the prompt sets; None for runs
+  that did not keep their rounds."""
+  values = []
+  for ev in evs:
+    sets = [p[f'{key}_rounds'] for p in ev['prompt_sets'].values() if p.get(f'{key}_rounds')]
+    if sets and len({len(r) for r in sets}) == 1:
+      values += np.mean(sets, axis=0).tolist()
+  return (min(values), max(values)) if values else None
+
+
+def _overlap(a, b) -> bool:
+  return a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]
+
+
 def results_table(rows) -> str:
   """Rows = variants; per prompt set 'main acc | AR1' (%), then the means, tokens/forward and speed."""
   sets = sorted({n for _, runs in rows for ev in _evals(runs) for n in ev['prompt_sets']})
   base_label, base_runs = rows[0]
   speedup = lambda ev: set_mean(ev, lambda p: p['speedup_measured'])
   base_speedup = [speedup(ev) for ev in _evals(base_runs)]
+  base_range = round_range(_evals(base_runs), 'speedup')
+  plain = (1.0, 1.0)
   batch1 = any('speedup_batch1' in p for _, runs in rows for ev in _evals(runs) for p in ev['prompt_sets'].values())
   head = (['variant'] + [f'{n}: main acc \\| AR1' for n in sets]
           + ['mean: main acc \\| AR1', 'held-out acc', 'tokens/fwd', 'speedup vs plain']
@@ -53,14 +74,17 @@ def results_table(rows) -> str:
                  f"{_mean_pm([set_mean(ev, lambda p: _at(p['ar'], 0)) for ev in evs], 100)}")
     cells.append(_mean_pm([ev['heldout']['accuracy'] for ev in evs], 100))
     cells.append(_mean_pm([set_mean(ev, lambda p: p['tokens_per_forward']) for ev in evs]))
-    cells.append(_mean_pm([speedup(ev) for ev in evs], digits=3) + '×')
+    spread = round_range(evs, 'speedup')
+    cells.append(_mean_pm([speedup(ev) for ev in evs], digits=3) + '×' + NOISE * _overlap(spread, plain))
     if batch1:
-      cells.append(_mean_pm([set_mean(ev, lambda p: p.get('speedup_batch1')) for ev in evs], digits=3) + '×')
+      cells.append(_mean_pm([set_mean(ev, lambda p: p.get('speedup_batch1')) for ev in evs], digits=3) + '×'
+                   + NOISE * _overlap(round_range(evs, 'speedup_batch1'), plain))
     # Rows are timed minutes apart, each beside its own plain decoding: the ratio of their speedups
     # cancels the machine's load between them, where raw tokens/s read 1.22x between two identical
     # models (docs/design.md, "Metrics").
     ref = np.mean(base_speedup) if base_speedup else np.nan
-    cells.append(_mean_pm([speedup(ev) / ref for ev in evs], digits=3) + '×')
+    cells.append(_mean_pm([speedup(ev) / ref for ev in evs], digits=3) + '×'
+                 + NOISE * (label != base_label and _overlap(spread, base_range)))
     lines.append('| ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines)
 
@@ -72,6 +96,9 @@ def speed_caption(rows) -> str:
           'timed at different times, and dividing by the plain decoding timed beside each cancels the '
           'load of the machine between them; it compares rows whose trunks decode at the same cost, as '
           'in every paper sweep).')
+  if any(round_range(_evals(runs), 'speedup') for _, runs in rows):
+    text += (f' A speed marked {NOISE.strip()}: the speedups its eval.repeats timing rounds measured reach '
+             '1× (plain decoding), or the first row\'s, so the timing cannot tell the two apart.')
   speedups = [set_mean(ev, lambda p, key=key: p.get(key)) for _, runs in rows for ev in _evals(runs)
               for key in ('speedup_measured', 'speedup_batch1')]
   speedups = [s for s in speedups if s is not None]
