@@ -8,7 +8,7 @@ folder can be shared without orbax. Prints what it wrote.
 
 import os
 
-from absl import app, flags
+from absl import app, flags, logging
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'a training workdir whose heads to export')
 _OUT = flags.DEFINE_string('out', None, 'the folder to write mtp_heads.safetensors and mtp_config.json into')
@@ -19,6 +19,7 @@ def main(argv):
     raise ValueError(f'unexpected arguments {argv[1:]}: every setting is a --flag=value')
   if not _WORKDIR.value or not _OUT.value:
     raise ValueError('give --workdir (a training workdir) and --out (the folder to write)')
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
   from configs import base
   from mtpd_jax.harness import export, training
   if not os.path.isdir(_WORKDIR.value):

@@ -147,13 +147,23 @@ def progress_bar(enabled: bool, start: int, total: int, desc: str = 'train'):
                    dynamic_ncols=True, desc=desc)
 
 
+def _created_mode() -> int:
+  """The permissions open() gives a new file under the process's umask."""
+  umask = os.umask(0)
+  os.umask(umask)
+  return 0o666 & ~umask
+
+
+def chmod_as_created(path: str) -> None:
+  """Give `path` the permissions open() would have created it with."""
+  os.chmod(path, _created_mode())
+
+
 def write_atomically(path: str, text: str) -> None:
   """`text` into `path` via a temporary file and a rename: readers see the old file or the new one."""
   os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix='.tmp-')
-  umask = os.umask(0)
-  os.umask(umask)
-  os.fchmod(fd, 0o666 & ~umask)  # as open() would create it (mkstemp's file is private)
+  os.fchmod(fd, _created_mode())  # mkstemp's file is private
   with os.fdopen(fd, 'w', encoding='utf-8') as f:
     f.write(text)
   os.replace(tmp, path)

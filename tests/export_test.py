@@ -40,6 +40,11 @@ def test_exported_heads_reload_bitwise_and_a_tampered_config_is_refused(tmp_path
   proc = subprocess.run([sys.executable, '-m', 'experiments.export', f'--workdir={tmp_path / "heads"}', f'--out={out}'],
                         cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
+  assert 'checkpoint_manager' not in proc.stderr  # orbax's INFO lines are not the user's output
+  mode = lambda name: os.stat(out / name).st_mode & 0o777
+  umask = os.umask(0)
+  os.umask(umask)
+  assert mode(export.WEIGHTS) == mode(export.CONFIG) == 0o666 & ~umask  # as open() creates files, not private
   meta = json.loads((out / export.CONFIG).read_text())
   assert meta['num_mtp_heads'] == 2 and meta['base']['init_from'] == base and len(meta['head_vocab']) == 16
   from safetensors import safe_open  # pylint: disable=import-outside-toplevel

@@ -89,6 +89,7 @@ def export_heads(model, config, head_vocab, out_dir: str) -> dict:
   os.makedirs(out_dir, exist_ok=True)
   tmp = os.path.join(out_dir, f'.tmp-{os.getpid()}.safetensors')
   save_file(tensors, tmp)
+  runtime.chmod_as_created(tmp)  # safetensors writes a private file; the heads are for sharing
   os.replace(tmp, os.path.join(out_dir, WEIGHTS))
   runtime.write_atomically(os.path.join(out_dir, CONFIG), json.dumps(meta, indent=1))
   return meta
