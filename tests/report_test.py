@@ -127,6 +127,8 @@ def test_a_speed_whose_timing_rounds_reach_plain_or_the_first_rows_is_marked_ins
   assert cells['fast'] == ['1.300×', '1.529× |']
   assert cells['plain-like'] == ['1.020× (inside noise)', '1.200× |']  # 0.97-1.02 holds 1x
   assert 'marked (inside noise)' in report.speed_caption(rows)
+  one = [(label, [timed(r, [r])]) for label, r in (('MTP', 0.85), ('Top N = 1', 0.7))]  # eval.repeats = 1
+  assert report.NOISE not in report.results_table(one) and 'one timing round' in report.speed_caption(one)
 
 
 def test_seeds_are_resampled_so_their_spread_widens_the_interval():

@@ -96,7 +96,12 @@ def speed_caption(rows) -> str:
           'timed at different times, and dividing by the plain decoding timed beside each cancels the '
           'load of the machine between them; it compares rows whose trunks decode at the same cost, as '
           'in every paper sweep).')
-  if any(round_range(_evals(runs), 'speedup') for _, runs in rows):
+  rounds = {len(p['speedup_rounds']) for _, runs in rows for ev in _evals(runs)
+            for p in ev['prompt_sets'].values() if p.get('speedup_rounds')}
+  if rounds == {1}:
+    text += (' Each speed is one timing round (eval.repeats = 1, a smoke timing): none of their '
+             'differences can be told from noise.')
+  elif rounds:
     text += (f' A speed marked {NOISE.strip()}: the speedups its eval.repeats timing rounds measured reach '
              '1× (plain decoding), or the first row\'s, so the timing cannot tell the two apart.')
   speedups = [set_mean(ev, lambda p, key=key: p.get(key)) for _, runs in rows for ev in _evals(runs)
