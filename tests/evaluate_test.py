@@ -1,5 +1,6 @@
 """Evaluation: one prompt set end to end, held-out metrics, report files."""
 
+import dataclasses
 import gzip
 import json
 
@@ -127,3 +128,10 @@ def test_heldout_metrics_matches_a_direct_computation():
   assert got['loss'] == pytest.approx(xent[mask].mean(), rel=1e-5)
   assert got['accuracy'] == pytest.approx((np.argmax(logits, -1) == batch['targets'])[mask].mean())
   assert got['tokens'] == 30
+
+
+def test_the_trunk_signature_is_the_shape_without_the_heads():
+  sign = evaluate.trunk_signature
+  assert sign(CFG) == sign(dataclasses.replace(CFG, num_mtp_heads=CFG.num_mtp_heads + 3))
+  assert sign(CFG) != sign(dataclasses.replace(CFG, num_layers=CFG.num_layers + 1))
+  assert sign(CFG) != sign(dataclasses.replace(CFG, dtype='bfloat16'))

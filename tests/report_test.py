@@ -107,6 +107,9 @@ def test_speed_across_rows_is_the_ratio_of_side_by_side_speedups_and_says_when_a
   cells = {line.split(' | ')[0][2:]: line.split(' | ')[-1] for line in table.splitlines()[2:]}
   assert cells == {'MTP': '1.000× |', 'Top N = 1': '1.000× |', 'MTP-D': '1.250× |'}
   assert 'slower than plain decoding in every row' in report.speed_caption(rows)
+  moe = _timed(0.6, 18.0)
+  moe['eval']['trunk'] = 'moe'  # another trunk decodes plainly at another cost: raw tokens/s compare
+  assert report.results_table(rows + [('MoE', [moe])]).splitlines()[-1].endswith(' | 2.000× (tokens/s) |')
   assert 'in every row' not in report.speed_caption(rows + [('fast', [_timed(1.1, 9.0)])])
   rows[2][1][0]['eval']['prompt_sets']['chat']['speedup_batch1'] = 1.05  # faster one prompt at a time
   assert 'in every row' not in report.speed_caption(rows)

@@ -6,7 +6,9 @@ the ratio of their wall-clock tokens/s; the analytic one is tokens per main forw
 the measured cost of one speculative step (draft + verify) relative to one plain decoding step.
 """
 
+import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -18,7 +20,7 @@ import numpy as np
 import optax
 
 from mtpd_jax import decode, losses, metrics, runtime
-from mtpd_jax.model import MTPTransformer
+from mtpd_jax.model import ModelConfig, MTPTransformer
 from mtpd_jax.shifts import shift_left
 
 
@@ -144,6 +146,13 @@ def teacher_forced(model: MTPTransformer, prompts, continuations, draft_depth: i
   stats = metrics.teacher_forced_stats(main_BxT, draft_JxBxT, valid_BxT)
   loss, correct = (totals[:2] / totals[2]) if totals[2] else (math.nan, math.nan)  # 1-token prompts: none
   return {**stats, 'main_loss': float(loss), 'main_accuracy': float(correct)}
+
+
+def trunk_signature(cfg: ModelConfig) -> str:
+  """What plain decoding's cost depends on: the model's shape without its MTP heads. A report
+  divides two rows' speedups only where their trunks match (docs/design.md, "Metrics")."""
+  fields = dataclasses.replace(cfg, num_mtp_heads=0)
+  return hashlib.sha256(repr(fields).encode()).hexdigest()[:12]
 
 
 def _round_speedups(rounds: dict, runs: dict) -> list[float]:

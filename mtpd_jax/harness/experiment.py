@@ -189,7 +189,7 @@ def _evaluate_workdir(workdir, draft_depth, *, write, defaults, config, out_dir)
         results[name]['auto'] = planner.measure(model, prompts, choice, batch_size=e.batch_size, repeats=e.repeats)
   if write:
     evaluate.write_report(results, out_dir, heldout)
-  return {'prompt_sets': results, 'heldout': heldout}
+  return {'prompt_sets': results, 'heldout': heldout, 'trunk': evaluate.trunk_signature(model.cfg)}
 
 
 def format_summary(metrics: dict[str, float], num_heads: int) -> str:
