@@ -159,7 +159,8 @@ def _round_speedups(rounds: dict, runs: dict) -> list[float]:
   """The speedup each timing round measured (plain's seconds over speculative's, times the token
   ratio), so a report can tell a difference from the timing's noise (docs/design.md, "Metrics")."""
   tokens = {name: sum(map(len, gen.tokens)) for name, (gen, _) in runs.items()}
-  return [(tokens['spec'] / s) / (tokens['plain'] / p) for p, s in zip(rounds['plain'], rounds['spec'])]
+  return [(tokens['spec'] / spec_s) / (tokens['plain'] / plain_s)
+          for plain_s, spec_s in zip(rounds['plain'], rounds['spec'])]
 
 
 def evaluate_prompt_set(model: MTPTransformer, prompts, opts: decode.DecodeOptions, *, batch_size: int = 8,
@@ -192,8 +193,9 @@ def evaluate_prompt_set(model: MTPTransformer, prompts, opts: decode.DecodeOptio
     one = timed_decode(model, prompts[:latency_prompts], settings, batch_size=1, pad_multiple=pad_multiple,
                        repeats=repeats, compiled=compiled, rounds=rounds1)
     tps = {name: sum(map(len, gen.tokens)) / s for name, (gen, s) in one.items()}
-    latency = {'latency_prompts': min(latency_prompts, len(prompts)), 'plain_tokens_per_s_batch1': tps['plain'],
-               'spec_tokens_per_s_batch1': tps['spec'], 'speedup_batch1': tps['spec'] / tps['plain'],
+    latency = {'latency_prompts': min(latency_prompts, len(prompts)),
+               'plain_tokens_per_s_batch1': tps['plain'], 'spec_tokens_per_s_batch1': tps['spec'],
+               'speedup_batch1': tps['spec'] / tps['plain'],
                'speedup_batch1_rounds': _round_speedups(rounds1, one)}
   return {
       **stats,

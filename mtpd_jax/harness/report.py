@@ -32,6 +32,7 @@ def _at(seq, k):
 
 
 NOISE = ' (inside noise)'
+PLAIN = (1.0, 1.0)  # plain decoding's speedup, as a range
 
 
 def round_range(evs, key: str) -> tuple[float, float] | None:
@@ -50,15 +51,37 @@ def _overlap(a, b) -> bool:
   return a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]
 
 
+def _speed_cells(evs, base_evs, *, is_base: bool, batch1: bool) -> list[str]:
+  """One row's speed columns: its speedup vs plain (and at batch 1), and its speed vs the first row.
+
+  Rows are timed minutes apart, each beside its own plain decoding. Where the two trunks match, the
+  ratio of the rows' speedups cancels the machine's load between them (raw tokens/s read 1.22x
+  between two identical models); another trunk decodes plainly at another cost, so raw tokens/s
+  compare (docs/design.md, "Metrics").
+  """
+  fmt = lambda values, noise=False: _mean_pm(values, digits=3) + '×' + NOISE * noise
+  speedup = lambda ev, key='speedup_measured': set_mean(ev, lambda p: p.get(key))
+  mean = lambda values: np.mean(values) if values else np.nan
+  spread = round_range(evs, 'speedup')
+  cells = [fmt([speedup(ev) for ev in evs], _overlap(spread, PLAIN))]
+  if batch1:
+    cells.append(fmt([speedup(ev, 'speedup_batch1') for ev in evs],
+                     _overlap(round_range(evs, 'speedup_batch1'), PLAIN)))
+  if {ev.get('trunk') for ev in evs} == {ev.get('trunk') for ev in base_evs}:
+    ref = mean([speedup(ev) for ev in base_evs])
+    cells.append(fmt([speedup(ev) / ref for ev in evs],
+                     not is_base and _overlap(spread, round_range(base_evs, 'speedup'))))
+  else:
+    tps = lambda ev: set_mean(ev, lambda p: p['spec_tokens_per_s'])
+    ref = mean([tps(ev) for ev in base_evs])
+    cells.append(fmt([tps(ev) / ref for ev in evs]) + ' (tokens/s)')
+  return cells
+
+
 def results_table(rows) -> str:
   """Rows = variants; per prompt set 'main acc | AR1' (%), then the means, tokens/forward and speed."""
   sets = sorted({n for _, runs in rows for ev in _evals(runs) for n in ev['prompt_sets']})
   base_label, base_runs = rows[0]
-  speedup = lambda ev: set_mean(ev, lambda p: p['speedup_measured'])
-  base_speedup = [speedup(ev) for ev in _evals(base_runs)]
-  base_range = round_range(_evals(base_runs), 'speedup')
-  base_speed = [set_mean(ev, lambda p: p['spec_tokens_per_s']) for ev in _evals(base_runs)]
-  plain = (1.0, 1.0)
   batch1 = any('speedup_batch1' in p for _, runs in rows for ev in _evals(runs) for p in ev['prompt_sets'].values())
   head = (['variant'] + [f'{n}: main acc \\| AR1' for n in sets]
           + ['mean: main acc \\| AR1', 'held-out acc', 'tokens/fwd', 'speedup vs plain']
@@ -75,50 +98,36 @@ def results_table(rows) -> str:
                  f"{_mean_pm([set_mean(ev, lambda p: _at(p['ar'], 0)) for ev in evs], 100)}")
     cells.append(_mean_pm([ev['heldout']['accuracy'] for ev in evs], 100))
     cells.append(_mean_pm([set_mean(ev, lambda p: p['tokens_per_forward']) for ev in evs]))
-    spread = round_range(evs, 'speedup')
-    cells.append(_mean_pm([speedup(ev) for ev in evs], digits=3) + '×' + NOISE * _overlap(spread, plain))
-    if batch1:
-      cells.append(_mean_pm([set_mean(ev, lambda p: p.get('speedup_batch1')) for ev in evs], digits=3) + '×'
-                   + NOISE * _overlap(round_range(evs, 'speedup_batch1'), plain))
-    # Rows are timed minutes apart, each beside its own plain decoding: where their trunks match, the
-    # ratio of their speedups cancels the machine's load between them, where raw tokens/s read 1.22x
-    # between two identical models (docs/design.md, "Metrics"). Another trunk decodes plainly at
-    # another cost, so its raw tokens/s are what compares.
-    if {ev.get('trunk') for ev in evs} == {ev.get('trunk') for ev in _evals(base_runs)}:
-      ref = np.mean(base_speedup) if base_speedup else np.nan
-      cells.append(_mean_pm([speedup(ev) / ref for ev in evs], digits=3) + '×'
-                   + NOISE * (label != base_label and _overlap(spread, base_range)))
-    else:
-      ref = np.mean(base_speed) if base_speed else np.nan
-      cells.append(_mean_pm([set_mean(ev, lambda p: p['spec_tokens_per_s']) / ref for ev in evs], digits=3)
-                   + '× (tokens/s)')
+    cells += _speed_cells(evs, _evals(base_runs), is_base=label == base_label, batch1=batch1)
     lines.append('| ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines)
 
 
 def speed_caption(rows) -> str:
-  """What the speed columns say: how they are timed, and that speculation loses everywhere when it does."""
-  text = ('speedup vs plain: wall-clock tokens/s of speculative over plain greedy decoding of the same '
-          'model, timed side by side; speed vs the first row: that speedup over the first row\'s (rows are '
-          'timed at different times, and dividing by the plain decoding timed beside each cancels the '
-          'load of the machine between them; a row whose trunk differs from the first row\'s, as an MoE '
-          'row\'s, decodes plainly at another cost, and its cell, marked (tokens/s), divides raw '
-          'speculative tokens/s timed apart).')
+  """What the speed columns say: how they are timed, what their marks mean, and that speculation
+  loses everywhere when it does."""
+  text = ('speedup vs plain: wall-clock tokens/s of speculative over plain greedy decoding of the '
+          'same model, timed side by side; speed vs the first row: that speedup over the first '
+          'row\'s (rows are timed at different times, and dividing by the plain decoding timed '
+          'beside each cancels the load of the machine between them; a row whose trunk differs '
+          'from the first row\'s, as an MoE row\'s, decodes plainly at another cost, and its '
+          'cell, marked (tokens/s), divides raw speculative tokens/s timed apart).')
   rounds = {len(p['speedup_rounds']) for _, runs in rows for ev in _evals(runs)
             for p in ev['prompt_sets'].values() if p.get('speedup_rounds')}
   if rounds == {1}:
-    text += (' Each speed is one timing round (eval.repeats = 1, a smoke timing): none of their '
-             'differences can be told from noise.')
+    text += (' Each speed is one timing round (eval.repeats = 1, a smoke timing): none of '
+             'their differences can be told from noise.')
   elif rounds:
-    text += (f' A speed marked {NOISE.strip()}: the speedups its eval.repeats timing rounds measured reach '
-             '1× (plain decoding), or the first row\'s, so the timing cannot tell the two apart.')
-  speedups = [set_mean(ev, lambda p, key=key: p.get(key)) for _, runs in rows for ev in _evals(runs)
-              for key in ('speedup_measured', 'speedup_batch1')]
+    text += (f' A speed marked {NOISE.strip()}: the speedups its eval.repeats timing rounds '
+             'measured reach 1× (plain decoding), or the first row\'s, so the timing cannot '
+             'tell the two apart.')
+  speedups = [set_mean(ev, lambda p, key=key: p.get(key)) for _, runs in rows
+              for ev in _evals(runs) for key in ('speedup_measured', 'speedup_batch1')]
   speedups = [s for s in speedups if s is not None]
   if speedups and all(s < 1.0 for s in speedups):
-    text += (' On this model speculative decoding is slower than plain decoding in every row: its steps '
-             'cost more than the tokens per forward repay, so the speed columns say how much slower, and '
-             'the acceptance columns are the result.')
+    text += (' On this model speculative decoding is slower than plain decoding in every row: '
+             'its steps cost more than the tokens per forward repay, so the speed columns say '
+             'how much slower, and the acceptance columns are the result.')
   return text
 
 
