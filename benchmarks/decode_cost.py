@@ -121,9 +121,9 @@ def parts_ms(model: MTPTransformer, b: int, j: int, s: int, vocab_size: int, rep
 
     @jax.jit
     def draft_block(leaves, cache):
-      pos_BxW = jnp.broadcast_to(pos0 - w + jnp.arange(w), (b, w))
+      pos_BxWindow = jnp.broadcast_to(pos0 - w + jnp.arange(w), (b, w))
       return structure.merge(leaves).mtp_head(1, jnp.ones((b, w, cfg.dim)), jnp.ones((b, w), jnp.int32),
-                                              pos_BxW, cache_mask(pos_BxW, s), cache)
+                                              pos_BxWindow, cache_mask(pos_BxWindow, s), cache)
     cols = None if vocab_size >= cfg.vocab_size else jnp.arange(vocab_size)
     out['draft_block_per_depth'] = _best_ms(draft_block, leaves, head_cache, repeats=repeats)
     out['draft_logits_per_depth'] = _best_ms(logits, leaves, jnp.ones((b, 1, cfg.dim)), cols, repeats=repeats)
@@ -138,19 +138,20 @@ def phases_ms(model: MTPTransformer, prompts, opts, repeats: int) -> dict:
   (the head passes) and `commit`, the whole step less those three (writing the emitted tokens and hidden states)."""
   structure, leaves = decode.split(model)
   plan, j = opts.draft, opts.draft.depth
-  prompt_BxP, lens_B = decode.pad_prompts(prompts, 16)
-  st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
+  prompt_BxT, lens_B = decode.pad_prompts(prompts, 16)
+  st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxT, lens_B,
                                                               jax.random.key(0), opts), opts, 4)
   vocab = lambda m: drafting.draft_vocab(m, plan.vocab) if plan.vocab else None
 
   @jax.jit
   def verify(leaves, st):
-    return drafting.verify_pass(decode.decoding_model(structure, leaves), st.nodes_BxO, st.length_B, st.caches, plan)
+    return drafting.verify_pass(decode.decoding_model(structure, leaves), st.nodes_BxNodes, st.length_B,
+                                st.caches, plan)
 
   @jax.jit
   def accept(st, verified):
     _, logits, caches = verified
-    path, a, nxt = drafting.accept(jax.random.key(0), st.nodes_BxO, None, logits, plan, 0.0)
+    path, a, nxt = drafting.accept(jax.random.key(0), st.nodes_BxNodes, None, logits, plan, 0.0)
     return path, a, nxt, drafting.keep_path(caches, st.length_B, path, plan)
 
   @jax.jit

@@ -48,13 +48,13 @@ def timed_generate(path: str, prompts, *, max_new_tokens: int, stop_tokens, repe
   settings = {'plain': {}, 'lookup': {'prompt_lookup_num_tokens': lookup_tokens}}
 
   def run(prompt, kwargs):
-    ids_1xP = torch.tensor(np.asarray(prompt, np.int64)[None])
+    ids_1xT = torch.tensor(np.asarray(prompt, np.int64)[None])
     start = time.perf_counter()
     with torch.inference_mode():
-      out_1xS = model.generate(ids_1xP, attention_mask=torch.ones_like(ids_1xP), max_new_tokens=max_new_tokens,
+      out_1xS = model.generate(ids_1xT, attention_mask=torch.ones_like(ids_1xT), max_new_tokens=max_new_tokens,
                                do_sample=False, eos_token_id=stop or None,
                                pad_token_id=stop[0] if stop else None, **kwargs)
-    return out_1xS[0, ids_1xP.shape[1]:].numpy().astype(np.int32), time.perf_counter() - start
+    return out_1xS[0, ids_1xT.shape[1]:].numpy().astype(np.int32), time.perf_counter() - start
 
   for kwargs in settings.values():
     run(prompts[0], kwargs)

@@ -111,12 +111,14 @@ class DecodeState(NamedTuple):
   key: jax.Array
   caches: list[Cache]             # trunk, valid for positions < length-1
   logits_BxV: jax.Array           # main logits at length-2, from which the pending token was chosen
-  accept_BxI: jax.Array | None = None          # accepted drafts at step i; -1 when not active
-  h0_BxSxD: jax.Array | None = None            # trunk hidden states by position
-  head_caches: list[Cache] | None = None       # one per draft depth (a row per node of depth j-1)
-  nodes_BxO: jax.Array | None = None           # the pending token and the drafts (drafting.Tree's nodes)
-  draft_logits_BxOxV: jax.Array | None = None  # sampling only: the logits each node was drawn from
-  proposed_BxO: jax.Array | None = None        # adaptive depth, context drafts: whether each node is proposed
+  accept_BxSteps: jax.Array | None = None   # accepted drafts at step i; -1 when not active
+  h0_BxSxD: jax.Array | None = None         # trunk hidden states by position
+  head_caches: list[Cache] | None = None    # one per draft depth (a row per node of depth j-1)
+  nodes_BxNodes: jax.Array | None = None    # the pending token and the drafts (drafting.Tree)
+  # Sampling only: the logits each node was drawn from.
+  draft_logits_BxNodesxV: jax.Array | None = None
+  # Adaptive depth, context drafts: whether each node is proposed.
+  proposed_BxNodes: jax.Array | None = None
 
 
 def cache_len(prompt_len: int, opts: DecodeOptions) -> int:
@@ -128,9 +130,9 @@ def state_bytes(cfg: ModelConfig, batch: int, prompt_len: int, opts: DecodeOptio
   """Bytes of the decoding state of `batch` prompts of `prompt_len` tokens (shapes only, nothing runs):
   what a decoding setting holds for its whole run, a tree's nodes and head caches included."""
   graphdef, params = nnx.split(nnx.eval_shape(lambda: MTPTransformer(cfg, rngs=nnx.Rngs(0))))
-  prompt_BxP = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
+  prompt_BxT = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
   state = jax.eval_shape(lambda p, x, n: prefill(nnx.merge(graphdef, p), x, n, jax.random.key(0), opts),
-                         params, prompt_BxP, jax.ShapeDtypeStruct((batch,), jnp.int32))
+                         params, prompt_BxT, jax.ShapeDtypeStruct((batch,), jnp.int32))
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if hasattr(x, 'dtype'))
 
 
@@ -152,27 +154,28 @@ def _commit(st: DecodeState, emit_BxJ1, n_B, opts: DecodeOptions):
 
 def _draft(model: MTPTransformer, st: DecodeState, start_B, width: int, key, opts: DecodeOptions, vocab):
   """`drafting.draft` of the state: the drafts after its pending token, and the head caches."""
-  nodes_BxO, head_caches, draft_logits_BxOxV, proposed_BxO = drafting.draft(
+  nodes_BxNodes, head_caches, draft_logits_BxNodesxV, proposed_BxNodes = drafting.draft(
       model, opts.draft, st.tokens_BxS, st.length_B, st.h0_BxSxD, st.head_caches, start_B, width, key, vocab,
       opts.temperature, opts.top_p)
-  return st._replace(nodes_BxO=nodes_BxO, head_caches=head_caches, draft_logits_BxOxV=draft_logits_BxOxV,
-                     proposed_BxO=proposed_BxO)
+  return st._replace(nodes_BxNodes=nodes_BxNodes, head_caches=head_caches,
+                     draft_logits_BxNodesxV=draft_logits_BxNodesxV,
+                     proposed_BxNodes=proposed_BxNodes)
 
 
-def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOptions,
+def prefill(model: MTPTransformer, prompt_BxT, prompt_len_B, key, opts: DecodeOptions,
             vocab: drafting.DraftVocab | None = None) -> DecodeState:
   """Run the (right-padded) prompts, choose the first new token and, if speculative, the first drafts."""
   cfg, plan = model.cfg, opts.draft
-  b, p = prompt_BxP.shape
+  b, p = prompt_BxT.shape
   s = cache_len(p, opts)
-  pos_BxP = jnp.broadcast_to(jnp.arange(p), (b, p))
-  h_BxPxD, caches = model.trunk(prompt_BxP, pos_BxP, cache_mask(pos_BxP, s),
+  pos_BxT = jnp.broadcast_to(jnp.arange(p), (b, p))
+  h_BxTxD, caches = model.trunk(prompt_BxT, pos_BxT, cache_mask(pos_BxT, s),
                                 init_cache(cfg, b, s, cfg.num_layers))
-  logits_BxV = model.logits(gather_at(h_BxPxD, prompt_len_B[:, None] - 1))[:, 0]
+  logits_BxV = model.logits(gather_at(h_BxTxD, prompt_len_B[:, None] - 1))[:, 0]
   key, key_first, key_draft = jax.random.split(key, 3)
   first_B = sampling.choose(key_first, logits_BxV, opts.temperature, opts.top_p)
   st = DecodeState(
-      tokens_BxS=jnp.zeros((b, s), jnp.int32).at[:, :p].set(prompt_BxP), length_B=prompt_len_B,
+      tokens_BxS=jnp.zeros((b, s), jnp.int32).at[:, :p].set(prompt_BxT), length_B=prompt_len_B,
       prompt_len_B=prompt_len_B, done_B=jnp.zeros((b,), bool), step=jnp.zeros((), jnp.int32),
       key=key, caches=caches, logits_BxV=logits_BxV)
   st = _commit(st, first_B[:, None], jnp.ones_like(prompt_len_B), opts)
@@ -183,8 +186,8 @@ def prefill(model: MTPTransformer, prompt_BxP, prompt_len_B, key, opts: DecodeOp
     raise ValueError('speculative decoding needs a model with MTP heads (num_mtp_heads >= 1), '
                      "or draft_source='context'")
   st = st._replace(
-      accept_BxI=jnp.full((b, opts.max_new_tokens), -1, jnp.int32),
-      h0_BxSxD=jnp.zeros((b, s, cfg.dim), h_BxPxD.dtype).at[:, :p].set(h_BxPxD),
+      accept_BxSteps=jnp.full((b, opts.max_new_tokens), -1, jnp.int32),
+      h0_BxSxD=jnp.zeros((b, s, cfg.dim), h_BxTxD.dtype).at[:, :p].set(h_BxTxD),
       head_caches=[init_cache(cfg, b * n, s, num_layers=1)[0]  # a row per node of depth j-1
                    for n in drafting.tree_of(plan).sizes[:-1]] if heads else [])
   return _draft(model, st, jnp.zeros_like(st.length_B), p, key_draft, opts, vocab)
@@ -198,32 +201,37 @@ def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
   pos_BxJ1 = (st.length_B - 1)[:, None] + jnp.arange(j + 1)  # the pending token, then the committed path
   key, key_verify, key_draft = jax.random.split(st.key, 3)
   if j:  # one pass over the nodes (a chain's are its drafts); the sequence commits one path
-    h_BxOxD, logits_BxOxV, caches = drafting.verify_pass(model, st.nodes_BxO, st.length_B, st.caches, plan)
-    path_B, accepted_B, next_B = drafting.accept(key_verify, st.nodes_BxO, st.draft_logits_BxOxV, logits_BxOxV,
-                                                 plan, opts.temperature, opts.top_p, st.proposed_BxO)
+    h_BxNodesxD, logits_BxNodesxV, caches = drafting.verify_pass(
+        model, st.nodes_BxNodes, st.length_B, st.caches, plan)
+    path_B, accepted_B, next_B = drafting.accept(
+        key_verify, st.nodes_BxNodes, st.draft_logits_BxNodesxV, logits_BxNodesxV, plan,
+        opts.temperature, opts.top_p, st.proposed_BxNodes)
     caches = drafting.keep_path(caches, st.length_B, path_B, plan)
     on_path_BxJ1 = jnp.asarray(drafting.tree_of(plan).path_nodes)[path_B]
-    tokens_BxJ1 = jnp.take_along_axis(st.nodes_BxO, on_path_BxJ1, axis=1)
+    tokens_BxJ1 = jnp.take_along_axis(st.nodes_BxNodes, on_path_BxJ1, axis=1)
   else:
     tokens_BxJ1 = gather_at(st.tokens_BxS, pos_BxJ1)
-    h_BxOxD, caches = model.trunk(tokens_BxJ1, pos_BxJ1, cache_mask(pos_BxJ1, s), st.caches)
-    logits_BxOxV, on_path_BxJ1 = model.logits(h_BxOxD), jnp.zeros_like(pos_BxJ1)
+    h_BxNodesxD, caches = model.trunk(tokens_BxJ1, pos_BxJ1, cache_mask(pos_BxJ1, s), st.caches)
+    logits_BxNodesxV, on_path_BxJ1 = model.logits(h_BxNodesxD), jnp.zeros_like(pos_BxJ1)
     accepted_B = jnp.zeros_like(st.length_B)
-    next_B = sampling.choose(key_verify, logits_BxOxV[:, 0], opts.temperature, opts.top_p)
+    next_B = sampling.choose(key_verify, logits_BxNodesxV[:, 0], opts.temperature, opts.top_p)
   # Emit d_1..d_a, then the main head's token at index a.
   idx_J1 = jnp.arange(j + 1)
   emit_BxJ1 = jnp.where(idx_J1 == accepted_B[:, None], next_B[:, None], jnp.roll(tokens_BxJ1, -1, axis=1))
   new = _commit(st, emit_BxJ1, accepted_B + 1, opts)
   emitted_B = new.length_B - st.length_B  # a+1, or fewer after a stop token or max_new_tokens
-  last_B = jnp.take_along_axis(on_path_BxJ1, jnp.maximum(emitted_B - 1, 0)[:, None], axis=1)  # the node whose
-  logits_BxV = jnp.take_along_axis(logits_BxOxV, last_B[..., None], axis=1)[:, 0]  # logits chose the pending token
+  # The node whose logits chose the pending token.
+  last_B = jnp.take_along_axis(on_path_BxJ1, jnp.maximum(emitted_B - 1, 0)[:, None], axis=1)
+  logits_BxV = jnp.take_along_axis(logits_BxNodesxV, last_B[..., None], axis=1)[:, 0]
   new = new._replace(step=st.step + 1, key=key, caches=caches,
                      logits_BxV=jnp.where(emitted_B[:, None] > 0, logits_BxV, st.logits_BxV))
   if not j:
     return new
   new = new._replace(
-      h0_BxSxD=write_at(st.h0_BxSxD, pos_BxJ1, jnp.take_along_axis(h_BxOxD, on_path_BxJ1[..., None], axis=1)),
-      accept_BxI=st.accept_BxI.at[:, st.step].set(jnp.where(st.done_B, -1, accepted_B), mode='drop'))
+      h0_BxSxD=write_at(st.h0_BxSxD, pos_BxJ1,
+                        jnp.take_along_axis(h_BxNodesxD, on_path_BxJ1[..., None], axis=1)),
+      accept_BxSteps=st.accept_BxSteps.at[:, st.step].set(jnp.where(st.done_B, -1, accepted_B),
+                                                          mode='drop'))
   return _draft(model, new, jnp.maximum(new.length_B - 1 - 2 * j, 0), 2 * j, key_draft, opts, vocab)
 
 
@@ -278,10 +286,11 @@ def _vocab(model: MTPTransformer, opts: DecodeOptions) -> drafting.DraftVocab | 
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'opts'))
-def jit_prefill(structure: Structure, leaves, prompt_BxP, prompt_len_B, key, opts: DecodeOptions) -> DecodeState:
+def jit_prefill(structure: Structure, leaves, prompt_BxT, prompt_len_B, key,
+                opts: DecodeOptions) -> DecodeState:
   """`prefill` under jit."""
   model = decoding_model(structure, leaves)
-  return prefill(model, prompt_BxP, prompt_len_B, key, opts, _vocab(model, opts))
+  return prefill(model, prompt_BxT, prompt_len_B, key, opts, _vocab(model, opts))
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'opts'))
@@ -293,14 +302,15 @@ def jit_steps(structure: Structure, leaves, st: DecodeState, opts: DecodeOptions
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'opts'))
-def jit_generate(structure: Structure, leaves, prompt_BxP, prompt_len_B, key, opts: DecodeOptions):
-  """Prefill, then steps until every sequence is done: (tokens_BxS, length_B, accept_BxI or None)."""
+def jit_generate(structure: Structure, leaves, prompt_BxT, prompt_len_B, key, opts: DecodeOptions):
+  """Prefill, then steps until every sequence is done: (tokens_BxS, length_B, accept_BxSteps or
+  None)."""
   model = decoding_model(structure, leaves)
   vocab = _vocab(model, opts)
-  st = prefill(model, prompt_BxP, prompt_len_B, key, opts, vocab)
+  st = prefill(model, prompt_BxT, prompt_len_B, key, opts, vocab)
   st = jax.lax.while_loop(lambda s: (s.step < opts.max_new_tokens) & ~jnp.all(s.done_B),
                           lambda s: step(model, s, opts, vocab), st)
-  return st.tokens_BxS, st.length_B, st.accept_BxI
+  return st.tokens_BxS, st.length_B, st.accept_BxSteps
 
 
 def pad_prompts(prompts, multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
@@ -309,10 +319,10 @@ def pad_prompts(prompts, multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
   if lens_B.min() < 1:
     raise ValueError('every prompt needs at least one token')
   p = -(-int(lens_B.max()) // multiple) * multiple
-  prompt_BxP = np.zeros((len(prompts), p), np.int32)
+  prompt_BxT = np.zeros((len(prompts), p), np.int32)
   for i, tokens in enumerate(prompts):
-    prompt_BxP[i, :len(tokens)] = tokens
-  return prompt_BxP, lens_B
+    prompt_BxT[i, :len(tokens)] = tokens
+  return prompt_BxT, lens_B
 
 
 class Generation(NamedTuple):
@@ -336,12 +346,12 @@ def generate_split(structure: Structure, leaves, prompts, opts: DecodeOptions, *
                    pad_multiple: int = 16) -> Generation:
   """`generate` for a model split once by `split(model)`, decoding as `opts` says."""
   opts.draft.check_vocab(structure.cfg.vocab_size)
-  prompt_BxP, lens_B = pad_prompts(prompts, pad_multiple)
-  tokens_BxS, length_B, accept_BxI = jax.device_get(
-      jit_generate(structure, leaves, prompt_BxP, lens_B, jax.random.key(seed), opts))
+  prompt_BxT, lens_B = pad_prompts(prompts, pad_multiple)
+  tokens_BxS, length_B, accept_BxSteps = jax.device_get(
+      jit_generate(structure, leaves, prompt_BxT, lens_B, jax.random.key(seed), opts))
   tokens = [tokens_BxS[b, lens_B[b]:length_B[b]] for b in range(len(prompts))]
-  accepts = [np.zeros((0,), np.int32) if accept_BxI is None else accept_BxI[b][accept_BxI[b] >= 0]
-             for b in range(len(prompts))]
+  accepts = [np.zeros((0,), np.int32) if accept_BxSteps is None
+             else accept_BxSteps[b][accept_BxSteps[b] >= 0] for b in range(len(prompts))]
   return Generation(tokens, accepts)
 
 

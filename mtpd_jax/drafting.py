@@ -90,7 +90,7 @@ class DraftPlan:
   @property
   def verified(self) -> int:
     """Positions one verify call writes: the pending token and the drafts (a tree's O nodes)."""
-    return len(tree_of(self).depth_O)
+    return len(tree_of(self).depth_Nodes)
 
   def check_vocab(self, vocab_size: int) -> None:
     if self.vocab and max(self.vocab) >= vocab_size:
@@ -135,9 +135,10 @@ class Tree(NamedTuple):
   k·b + 0..b-1 among that depth's nodes."""
   branching: tuple[int, ...]
   path_nodes: np.ndarray   # [P, J+1]: the node path p passes at depth j
-  depth_O: np.ndarray      # each node's depth
-  path_O: np.ndarray       # the first path through each node
-  ancestor_OxO: np.ndarray  # node m is n or an ancestor of n: what n sees in the tree attention pass
+  depth_Nodes: np.ndarray  # each node's depth
+  path_Nodes: np.ndarray   # the first path through each node
+  # Node m is n or an ancestor of n: what n sees in the tree attention pass.
+  ancestor_NodesxNodes: np.ndarray
   starts: np.ndarray       # [J+1]: each depth's first node
   sizes: tuple[int, ...]   # [J+1]: the nodes at each depth
 
@@ -149,12 +150,14 @@ def tree_tables(branching: tuple[int, ...]) -> Tree:
   below_J1 = paths // np.array(sizes)  # paths under one node of each depth
   path_nodes = (starts[None, :] + np.arange(paths)[:, None] // below_J1[None, :]).astype(np.int32)
   n = int(sum(sizes))
-  depth_O, path_O, ancestor_OxO = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros((n, n), bool)
+  depth_Nodes, path_Nodes = np.zeros(n, np.int32), np.zeros(n, np.int32)
+  ancestor_NodesxNodes = np.zeros((n, n), bool)
   for p in reversed(range(paths)):  # reversed: the first path through a node writes last
     for j, node in enumerate(path_nodes[p]):
-      depth_O[node], path_O[node] = j, p
-      ancestor_OxO[node, path_nodes[p, :j + 1]] = True
-  return Tree(tuple(branching), path_nodes, depth_O, path_O, ancestor_OxO, starts, sizes)
+      depth_Nodes[node], path_Nodes[node] = j, p
+      ancestor_NodesxNodes[node, path_nodes[p, :j + 1]] = True
+  return Tree(tuple(branching), path_nodes, depth_Nodes, path_Nodes, ancestor_NodesxNodes, starts,
+              sizes)
 
 
 def tree_of(plan: DraftPlan) -> Tree:
@@ -200,121 +203,139 @@ def draft(model: MTPTransformer, plan: DraftPlan, tokens_BxS, length_B, h0_BxSxD
   scheme). Depth j runs once per node of depth j-1 (B·N_{j-1} rows, b-major): its window's tokens
   are the committed ones, then the node's own ancestors' drafts at L+1..L+j-1, and the node's b_j
   children are its logits' top b_j (sampling: b_j independent draws). Context drafts replace the
-  heads' (`source='context'`, no head runs) or their path 1 (`source='both'`). Returns (nodes_BxO:
-  the pending token, then the drafts; the head caches; with sampling the logits each node was
-  drawn from, [B, O, V] (the root: zeros), else None; with adaptive depth or context drafts whether
-  each node is a proposed draft, [B, O], else None).
+  heads' (`source='context'`, no head runs) or their path 1 (`source='both'`). Returns
+  (nodes_BxNodes: the pending token, then the drafts; the head caches; with sampling the logits
+  each node was drawn from, [B, Nodes, V] (the root: zeros), else None; with adaptive depth or
+  context drafts whether each node is a proposed draft, [B, Nodes], else None).
   """
   tree = tree_of(plan)
   b, s = tokens_BxS.shape
   pending_B = length_B - 1
-  nodes_BxO = jnp.zeros((b, len(tree.depth_O)), jnp.int32).at[:, 0].set(gather_at(tokens_BxS, pending_B[:, None])[:, 0])
-  proposed_BxO = jnp.ones(nodes_BxO.shape, bool)  # adaptive depth: every ancestor confident; context: found
+  pending_tokens_B = gather_at(tokens_BxS, pending_B[:, None])[:, 0]
+  nodes_BxNodes = jnp.zeros((b, len(tree.depth_Nodes)), jnp.int32).at[:, 0].set(pending_tokens_B)
+  # Adaptive depth: every ancestor confident; context: found.
+  proposed_BxNodes = jnp.ones(nodes_BxNodes.shape, bool)
   context = plan.source != 'heads'
   if context:  # path 1 of 'both' (node starts[j] + 1 at depth j), or the whole chain
     ctx_BxJ, found_BxJ = lookup.context_drafts(tokens_BxS, length_B, plan.depth, plan.ngram)
     ctx_J = tree.path_nodes[-1, 1:]
   if plan.source == 'context':
-    nodes_BxO = nodes_BxO.at[:, ctx_J].set(ctx_BxJ)
-    proposed_BxO = proposed_BxO.at[:, ctx_J].set(found_BxJ)
-    return nodes_BxO, head_caches, _one_hot_laws(nodes_BxO, model.cfg.vocab_size) if temperature else None, proposed_BxO
-  pos_BxW = start_B[:, None] + jnp.arange(width)
-  mask_BxWxS = cache_mask(pos_BxW, s)
+    nodes_BxNodes = nodes_BxNodes.at[:, ctx_J].set(ctx_BxJ)
+    proposed_BxNodes = proposed_BxNodes.at[:, ctx_J].set(found_BxJ)
+    laws = _one_hot_laws(nodes_BxNodes, model.cfg.vocab_size) if temperature else None
+    return nodes_BxNodes, head_caches, laws, proposed_BxNodes
+  pos_BxWindow = start_B[:, None] + jnp.arange(width)
+  mask_BxWindowxS = cache_mask(pos_BxWindow, s)
   last_Bx1 = (pending_B - 1 - start_B)[:, None]  # window index of the last trunk position L-1
-  h_GxWxD = gather_at(h0_BxSxD, pos_BxW)
+  h_ParentsxWindowxD = gather_at(h0_BxSxD, pos_BxWindow)
   caches, draft_logits = [], [jnp.zeros((b, 1, model.cfg.vocab_size), jnp.float32)]
   for j, key_j in zip(range(1, plan.depth + 1), jax.random.split(key, plan.depth)):
     n, width_j, first = tree.sizes[j - 1], tree.branching[j - 1], int(tree.starts[j - 1])
     children = slice(int(tree.starts[j]), int(tree.starts[j]) + n * width_j)
     each = lambda x: jnp.repeat(x, n, axis=0)  # a sequence's rows, one per node of depth j-1
     if j > 1:  # the parent's depth-(j-1) states, one copy per child
-      h_GxWxD = jnp.repeat(h_GxWxD, tree.branching[j - 2], axis=0)
-    tokens_GxW = each(gather_at(tokens_BxS, pos_BxW + j))
+      h_ParentsxWindowxD = jnp.repeat(h_ParentsxWindowxD, tree.branching[j - 2], axis=0)
+    tokens_ParentsxWindow = each(gather_at(tokens_BxS, pos_BxWindow + j))
     node_ids = first + np.arange(n)
     for d in range(1, j):  # positions past the pending token hold the node's ancestors' drafts
-      anc_G = nodes_BxO[:, tree.path_nodes[tree.path_O[node_ids], d]].reshape(-1)
-      tokens_GxW = jnp.where(each(pos_BxW + j) == each(pending_B + d)[:, None], anc_G[:, None], tokens_GxW)
-    h_GxWxD, cache = model.mtp_head(head_for_depth(j, model.cfg.num_mtp_heads), h_GxWxD, tokens_GxW,
-                                    each(pos_BxW), each(mask_BxWxS), head_caches[j - 1])
-    h_Gx1xD = gather_at(h_GxWxD, each(last_Bx1))
+      anc_Parents = nodes_BxNodes[:, tree.path_nodes[tree.path_Nodes[node_ids], d]].reshape(-1)
+      at_d = each(pos_BxWindow + j) == each(pending_B + d)[:, None]
+      tokens_ParentsxWindow = jnp.where(at_d, anc_Parents[:, None], tokens_ParentsxWindow)
+    h_ParentsxWindowxD, cache = model.mtp_head(
+        head_for_depth(j, model.cfg.num_mtp_heads), h_ParentsxWindowxD, tokens_ParentsxWindow,
+        each(pos_BxWindow), each(mask_BxWindowxS), head_caches[j - 1])
+    h_Parentsx1xD = gather_at(h_ParentsxWindowxD, each(last_Bx1))
     choose = functools.partial(_choose_draft, model, vocab, temperature, top_p, key_j, width_j)
-    up_BxN = proposed_BxO[:, node_ids]  # adaptive depth: a node drafts children only if it is proposed itself
+    # Adaptive depth: a node drafts children only if it is proposed itself.
+    up_BxParents = proposed_BxNodes[:, node_ids]
     if plan.min_prob and j > 1:  # skip the logits once no node drafts this deep
       skip = lambda _: (jnp.zeros((b * n, width_j), jnp.int32), jnp.zeros((b * n, model.cfg.vocab_size)))
-      drafts_GxC, logits_GxV = jax.lax.cond(jnp.any(up_BxN), choose, skip, h_Gx1xD)
+      drafts_ParentsxChildren, logits_ParentsxV = jax.lax.cond(jnp.any(up_BxParents), choose, skip,
+                                                               h_Parentsx1xD)
     else:
-      drafts_GxC, logits_GxV = choose(h_Gx1xD)
+      drafts_ParentsxChildren, logits_ParentsxV = choose(h_Parentsx1xD)
     if plan.min_prob:  # a node's children are proposed if it is and its own head is confident
-      confident_BxN = draft_confidence(logits_GxV, drafts_GxC, temperature, top_p).reshape(b, n) >= plan.min_prob
-      proposed_BxO = proposed_BxO.at[:, children].set(jnp.repeat(up_BxN & confident_BxN, width_j, axis=1))
-    nodes_BxO = nodes_BxO.at[:, children].set(drafts_GxC.reshape(b, -1))
+      confidence = draft_confidence(logits_ParentsxV, drafts_ParentsxChildren, temperature, top_p)
+      confident_BxParents = confidence.reshape(b, n) >= plan.min_prob
+      proposed_BxNodes = proposed_BxNodes.at[:, children].set(
+          jnp.repeat(up_BxParents & confident_BxParents, width_j, axis=1))
+    nodes_BxNodes = nodes_BxNodes.at[:, children].set(drafts_ParentsxChildren.reshape(b, -1))
     if temperature:  # each child's q: its parent's law
-      draft_logits.append(jnp.repeat(logits_GxV.reshape(b, n, -1), width_j, axis=1))
+      draft_logits.append(jnp.repeat(logits_ParentsxV.reshape(b, n, -1), width_j, axis=1))
     if context:  # path 1's node at this depth: the context's draft, proposed where a match reaches it
-      nodes_BxO = nodes_BxO.at[:, ctx_J[j - 1]].set(ctx_BxJ[:, j - 1])
-      proposed_BxO = proposed_BxO.at[:, ctx_J[j - 1]].set(found_BxJ[:, j - 1])
+      nodes_BxNodes = nodes_BxNodes.at[:, ctx_J[j - 1]].set(ctx_BxJ[:, j - 1])
+      proposed_BxNodes = proposed_BxNodes.at[:, ctx_J[j - 1]].set(found_BxJ[:, j - 1])
     caches.append(cache)
   # Greedy verification reads no draft probabilities; only sampling carries them to the next step.
-  draft_logits_BxOxV = None
+  draft_logits_BxNodesxV = None
   if temperature:
-    draft_logits_BxOxV = jnp.concatenate(draft_logits, axis=1)
+    draft_logits_BxNodesxV = jnp.concatenate(draft_logits, axis=1)
     if context:
-      draft_logits_BxOxV = draft_logits_BxOxV.at[:, ctx_J].set(_one_hot_laws(nodes_BxO, model.cfg.vocab_size)[:, ctx_J])
-  return nodes_BxO, caches, draft_logits_BxOxV, proposed_BxO if plan.min_prob or context else None
+      laws = _one_hot_laws(nodes_BxNodes, model.cfg.vocab_size)
+      draft_logits_BxNodesxV = draft_logits_BxNodesxV.at[:, ctx_J].set(laws[:, ctx_J])
+  proposed = proposed_BxNodes if plan.min_prob or context else None
+  return nodes_BxNodes, caches, draft_logits_BxNodesxV, proposed
 
 
-def _one_hot_laws(nodes_BxO, vocab_size: int):
+def _one_hot_laws(nodes_BxNodes, vocab_size: int):
   """Logits whose law puts all mass on each node's token: the q of a draft that is not drawn."""
-  return jnp.where(jnp.arange(vocab_size) == nodes_BxO[..., None], 0.0, -jnp.inf)
+  return jnp.where(jnp.arange(vocab_size) == nodes_BxNodes[..., None], 0.0, -jnp.inf)
 
 
-def draft_confidence(logits_BxV, drafts_BxC, temperature: float, top_p: float):
+def draft_confidence(logits_BxV, drafts_BxChildren, temperature: float, top_p: float):
   """What adaptive depth compares with `min_prob`: the top probability of the distribution drafts
-  are drawn from (greedy: the first draft's own). `drafts_BxC` is deliberately unused: a rule that
-  read a drawn draft's probability would make proposing depend on the draw, and sampled output
-  would no longer follow plain sampling (the decoding tests catch that rule)."""
-  del drafts_BxC
+  are drawn from (greedy: the first draft's own). `drafts_BxChildren` is deliberately unused: a
+  rule that read a drawn draft's probability would make proposing depend on the draw, and sampled
+  output would no longer follow plain sampling (the decoding tests catch that rule)."""
+  del drafts_BxChildren
   return jnp.max(sampling.probs(logits_BxV, temperature or 1.0, top_p), axis=-1)
 
 
 def _choose_draft(model: MTPTransformer, vocab: DraftVocab | None, temperature: float, top_p: float, key,
-                  width: int, h_Gx1xD):
+                  width: int, h_Parentsx1xD):
   """Each node's `width` children at this depth (greedy: its logits' ranks 0..width-1; sampling:
   independent draws), and its logits over V (-inf outside a draft vocabulary)."""
-  logits_GxU = model.logits(h_Gx1xD, None if vocab is None else vocab.w)[:, 0]
-  drafts_GxC = None
+  logits_ParentsxU = model.logits(h_Parentsx1xD, None if vocab is None else vocab.w)[:, 0]
+  drafts_ParentsxChildren = None
   if not temperature:  # greedy needs only the argmax (or the top b_j) among the U columns
-    drafts_GxC = jnp.argmax(logits_GxU, axis=-1)[:, None] if width == 1 else jax.lax.top_k(logits_GxU, width)[1]
-    drafts_GxC = drafts_GxC if vocab is None else vocab.ids_U[drafts_GxC]
-  logits_GxV = logits_GxU if vocab is None else jnp.full(  # sampling reads q over V: 0 outside the vocabulary
-      logits_GxU.shape[:1] + (model.cfg.vocab_size,), -jnp.inf, logits_GxU.dtype).at[:, vocab.ids_U].set(logits_GxU)
-  if drafts_GxC is None:
-    drafts_GxC = sampling.choose(key, jnp.repeat(logits_GxV, width, axis=0), temperature, top_p).reshape(-1, width)
-  return drafts_GxC.astype(jnp.int32), logits_GxV
+    drafts_ParentsxChildren = (jnp.argmax(logits_ParentsxU, axis=-1)[:, None] if width == 1
+                               else jax.lax.top_k(logits_ParentsxU, width)[1])
+    drafts_ParentsxChildren = (drafts_ParentsxChildren if vocab is None
+                               else vocab.ids_U[drafts_ParentsxChildren])
+  logits_ParentsxV = logits_ParentsxU
+  if vocab is not None:  # sampling reads q over V: 0 outside the vocabulary
+    logits_ParentsxV = jnp.full(logits_ParentsxU.shape[:1] + (model.cfg.vocab_size,), -jnp.inf,
+                                logits_ParentsxU.dtype).at[:, vocab.ids_U].set(logits_ParentsxU)
+  if drafts_ParentsxChildren is None:
+    drafts_ParentsxChildren = sampling.choose(key, jnp.repeat(logits_ParentsxV, width, axis=0),
+                                              temperature, top_p).reshape(-1, width)
+  return drafts_ParentsxChildren.astype(jnp.int32), logits_ParentsxV
 
 
 # ---------------------------------------------------------------------------------------------
 # Verifying: one trunk pass over the nodes, and the path a step commits
 
 
-def verify_pass(model: MTPTransformer, nodes_BxO, length_B, caches, plan: DraftPlan):
+def verify_pass(model: MTPTransformer, nodes_BxNodes, length_B, caches, plan: DraftPlan):
   """One trunk call over each sequence's O nodes: node n of depth j sits at position L+j (L: the
   pending token's) in cache slot L+n, and sees the committed prefix (slots < L) and its own
-  ancestors (a chain: the causal mask). Returns (h^0, main logits) of each node, [B, O, ...], and
-  the trunk caches with the nodes in slots L..L+O-1 (`keep_path` compacts the winning path)."""
+  ancestors (a chain: the causal mask). Returns (h^0, main logits) of each node, [B, Nodes, ...],
+  and the trunk caches with the nodes in slots L..L+O-1 (`keep_path` compacts the winning path)."""
   tree = tree_of(plan)
-  n, s = len(tree.depth_O), caches[0]['k'].shape[2]
+  n, s = len(tree.depth_Nodes), caches[0]['k'].shape[2]
   pending_B = length_B - 1
-  pos_BxO = pending_B[:, None] + tree.depth_O
+  pos_BxNodes = pending_B[:, None] + tree.depth_Nodes
   rel_BxS = jnp.arange(s) - pending_B[:, None]  # slot - L: < 0 the committed prefix, [0, O) the tree
-  sees_BxOxS = jnp.take(jnp.asarray(tree.ancestor_OxO), jnp.clip(rel_BxS, 0, n - 1), axis=1).transpose(1, 0, 2)
-  mask_BxOxS = (rel_BxS < 0)[:, None, :] | (sees_BxOxS & (rel_BxS < n)[:, None, :])
-  h_BxOxD, caches = model.trunk(nodes_BxO, pos_BxO, mask_BxOxS, caches, pending_B[:, None] + jnp.arange(n))
-  return h_BxOxD, model.logits(h_BxOxD), caches
+  sees_BxNodesxS = jnp.take(jnp.asarray(tree.ancestor_NodesxNodes), jnp.clip(rel_BxS, 0, n - 1),
+                            axis=1).transpose(1, 0, 2)
+  mask_BxNodesxS = (rel_BxS < 0)[:, None, :] | (sees_BxNodesxS & (rel_BxS < n)[:, None, :])
+  h_BxNodesxD, caches = model.trunk(nodes_BxNodes, pos_BxNodes, mask_BxNodesxS, caches,
+                                    pending_B[:, None] + jnp.arange(n))
+  return h_BxNodesxD, model.logits(h_BxNodesxD), caches
 
 
-def accept(key, nodes_BxO, draft_logits_BxOxV, logits_BxOxV, plan: DraftPlan, temperature: float,
-           top_p: float = 1.0, proposed_BxO=None):
+def accept(key, nodes_BxNodes, draft_logits_BxNodesxV, logits_BxNodesxV, plan: DraftPlan,
+           temperature: float, top_p: float = 1.0, proposed_BxNodes=None):
   """(path, a, next) per sequence: the path it commits, the drafts accepted along it and the token
   after them.
 
@@ -330,39 +351,42 @@ def accept(key, nodes_BxO, draft_logits_BxOxV, logits_BxOxV, plan: DraftPlan, te
   emitted tokens follow plain sampling exactly (docs/design.md); a chain is Leviathan et al.'s rule.
   """
   tree = tree_of(plan)
-  b = nodes_BxO.shape[0]
+  b = nodes_BxNodes.shape[0]
   if not temperature:
-    target_BxO = jnp.argmax(logits_BxOxV, axis=-1).astype(jnp.int32)
-    ok_BxPxJ = nodes_BxO[:, tree.path_nodes[:, 1:]] == target_BxO[:, tree.path_nodes[:, :-1]]
-    if proposed_BxO is not None:
-      ok_BxPxJ &= proposed_BxO[:, tree.path_nodes[:, 1:]]
-    a_BxP = jnp.sum(jnp.cumprod(ok_BxPxJ, axis=-1), axis=-1).astype(jnp.int32)
-    path_B = jnp.argmax(a_BxP, axis=1).astype(jnp.int32)
-    a_B = jnp.take_along_axis(a_BxP, path_B[:, None], axis=1)[:, 0]
+    target_BxNodes = jnp.argmax(logits_BxNodesxV, axis=-1).astype(jnp.int32)
+    # Each path's draft at depth j+1 against the main argmax at its depth-j node.
+    ok_BxPathsxJ = (nodes_BxNodes[:, tree.path_nodes[:, 1:]]
+                    == target_BxNodes[:, tree.path_nodes[:, :-1]])
+    if proposed_BxNodes is not None:
+      ok_BxPathsxJ &= proposed_BxNodes[:, tree.path_nodes[:, 1:]]
+    a_BxPaths = jnp.sum(jnp.cumprod(ok_BxPathsxJ, axis=-1), axis=-1).astype(jnp.int32)
+    path_B = jnp.argmax(a_BxPaths, axis=1).astype(jnp.int32)
+    a_B = jnp.take_along_axis(a_BxPaths, path_B[:, None], axis=1)[:, 0]
     end_B = jnp.asarray(tree.path_nodes)[path_B, a_B]
-    return path_B, a_B, jnp.take_along_axis(target_BxO, end_B[:, None], axis=1)[:, 0]
-  first_child_O = jnp.asarray(tree.path_nodes[tree.path_O, np.minimum(tree.depth_O + 1, len(tree.branching))])
-  at_node = lambda x_BxO, node_B: jnp.take_along_axis(x_BxO, node_B.reshape(b, 1, *([1] * (x_BxO.ndim - 2))),
-                                                      axis=1)[:, 0]
+    return path_B, a_B, jnp.take_along_axis(target_BxNodes, end_B[:, None], axis=1)[:, 0]
+  child_depth = np.minimum(tree.depth_Nodes + 1, len(tree.branching))
+  first_child_Nodes = jnp.asarray(tree.path_nodes[tree.path_Nodes, child_depth])
+  at_node = lambda x_BxNodes, node_B: jnp.take_along_axis(
+      x_BxNodes, node_B.reshape(b, 1, *([1] * (x_BxNodes.ndim - 2))), axis=1)[:, 0]
   law = lambda logits_BxV: sampling.probs(logits_BxV, temperature, top_p)
   at = lambda p_BxV, x_B: jnp.take_along_axis(p_BxV, x_B[:, None], axis=1)[:, 0]
   node_B = jnp.zeros((b,), jnp.int32)
-  p_BxV, alive_B = law(logits_BxOxV[:, 0]), jnp.ones((b,), bool)
+  p_BxV, alive_B = law(logits_BxNodesxV[:, 0]), jnp.ones((b,), bool)
   keys = jax.random.split(key, len(tree.branching) + 1)
   for j, width in enumerate(tree.branching):  # try the children, at depth j+1, of each walk's depth-j node
-    trying_B, child_B, u_BxW = alive_B, node_B, jax.random.uniform(keys[j], (b, width))
+    trying_B, child_B, u_BxChildren = alive_B, node_B, jax.random.uniform(keys[j], (b, width))
     for c in range(width):
-      m_B = first_child_O[node_B] + c
-      x_B, q_BxV = at_node(nodes_BxO, m_B), law(at_node(draft_logits_BxOxV, m_B))
-      drawn_B = trying_B if proposed_BxO is None else trying_B & at_node(proposed_BxO, m_B)
-      ok_B = drawn_B & sampling.accept_draft(u_BxW[:, c], at(p_BxV, x_B), at(q_BxV, x_B))
+      m_B = first_child_Nodes[node_B] + c
+      x_B, q_BxV = at_node(nodes_BxNodes, m_B), law(at_node(draft_logits_BxNodesxV, m_B))
+      drawn_B = trying_B if proposed_BxNodes is None else trying_B & at_node(proposed_BxNodes, m_B)
+      ok_B = drawn_B & sampling.accept_draft(u_BxChildren[:, c], at(p_BxV, x_B), at(q_BxV, x_B))
       child_B = jnp.where(ok_B, m_B, child_B)
       p_BxV = jnp.where((drawn_B & ~ok_B)[:, None], sampling.residual(p_BxV, q_BxV), p_BxV)
       trying_B &= ~ok_B
     alive_B, node_B = child_B != node_B, child_B
-    p_BxV = jnp.where(alive_B[:, None], law(at_node(logits_BxOxV, node_B)), p_BxV)
+    p_BxV = jnp.where(alive_B[:, None], law(at_node(logits_BxNodesxV, node_B)), p_BxV)
   next_B = sampling.categorical(keys[-1], p_BxV)
-  return jnp.asarray(tree.path_O)[node_B], jnp.asarray(tree.depth_O)[node_B], next_B
+  return jnp.asarray(tree.path_Nodes)[node_B], jnp.asarray(tree.depth_Nodes)[node_B], next_B
 
 
 def keep_path(caches, length_B, path_B, plan: DraftPlan):

@@ -120,10 +120,10 @@ def _fused_fwd(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, cfg
   def body(dw_DxV, xs_c):
     sums, dx, dw = _chunk(*xs_c[:1], w_DxV, *xs_c[1:], ce_coef_K1, kl_coef_K, cfg)
     return dw_DxV + dw, (sums, dx)
-  dw_DxV, (sums, dx_YxK1xRxD) = lax.scan(body, jnp.zeros(w_DxV.shape, jnp.float32), xs)
+  dw_DxV, (sums, dx_GroupsxK1xRxD) = lax.scan(body, jnp.zeros(w_DxV.shape, jnp.float32), xs)
   sums = jax.tree.map(lambda s: jnp.sum(s, axis=0), sums)
   loss = jnp.sum(ce_coef_K1 * sums['ce']) + (jnp.sum(kl_coef_K * sums['kl']) if 'kl' in sums else 0.0)
-  dx_K1xRxD = dx_YxK1xRxD.swapaxes(0, 1).reshape(num_pred, r, d)
+  dx_K1xRxD = dx_GroupsxK1xRxD.swapaxes(0, 1).reshape(num_pred, r, d)
   return (loss, sums), (dx_K1xRxD, dw_DxV.astype(w_DxV.dtype))
 
 

@@ -195,8 +195,8 @@ def ensemble_teacher(logits_BxTxV, mtp_logits_KxBxTxV, k: int):
   """
   members = [shift_left(logits_BxTxV, k)] + [shift_left(mtp_logits_KxBxTxV[j - 1], k - j)
                                                for j in range(1, k)]
-  logp_MxBxTxV = jnp.stack([jax.nn.log_softmax(m.astype(jnp.float32), -1) for m in members])
-  return jax.nn.logsumexp(logp_MxBxTxV, axis=0) - jnp.log(float(len(members)))
+  logp_MembersxBxTxV = jnp.stack([jax.nn.log_softmax(m.astype(jnp.float32), -1) for m in members])
+  return jax.nn.logsumexp(logp_MembersxBxTxV, axis=0) - jnp.log(float(len(members)))
 
 
 def _threshold_divergences(logits_BxTxV, mtp_logits_KxBxTxV, heads, *, top_n, top_n_mode, measure,

@@ -28,24 +28,24 @@ import numpy as np
 
 def acceptance_counts(accept_lengths, draft_depth: int) -> tuple[np.ndarray, np.ndarray]:
   """(reached_J, accepted_J): steps that reached depth k and steps that accepted it, k = 1..J."""
-  a_I = np.asarray(accept_lengths).reshape(-1)
-  if a_I.size and (a_I.min() < 0 or a_I.max() > draft_depth):
-    raise ValueError(f'accepted lengths must lie in [0, {draft_depth}]; got {a_I.min()}..{a_I.max()}')
+  a_Steps = np.asarray(accept_lengths).reshape(-1)
+  if a_Steps.size and (a_Steps.min() < 0 or a_Steps.max() > draft_depth):
+    raise ValueError(f'accepted lengths must lie in [0, {draft_depth}]; got {a_Steps.min()}..{a_Steps.max()}')
   k_J = np.arange(1, draft_depth + 1)
-  reached_J = np.sum(a_I[:, None] >= k_J - 1, axis=0)
-  accepted_J = np.sum(a_I[:, None] >= k_J, axis=0)
+  reached_J = np.sum(a_Steps[:, None] >= k_J - 1, axis=0)
+  accepted_J = np.sum(a_Steps[:, None] >= k_J, axis=0)
   return reached_J, accepted_J
 
 
 def acceptance_stats(accept_lengths, draft_depth: int) -> dict:
   """ar, car (per depth; nan where no step reached it), accept_len, tokens_per_forward, steps."""
-  a_I = np.asarray(accept_lengths).reshape(-1)
-  reached_J, accepted_J = acceptance_counts(a_I, draft_depth)
-  steps = int(a_I.size)
+  a_Steps = np.asarray(accept_lengths).reshape(-1)
+  reached_J, accepted_J = acceptance_counts(a_Steps, draft_depth)
+  steps = int(a_Steps.size)
   with np.errstate(invalid='ignore', divide='ignore'):
     ar_J = accepted_J / reached_J
     car_J = accepted_J / steps if steps else np.full(draft_depth, np.nan)
-  accept_len = float(a_I.mean()) if steps else float('nan')
+  accept_len = float(a_Steps.mean()) if steps else float('nan')
   return {'ar': [float(x) for x in ar_J], 'car': [float(x) for x in car_J],
           'accept_len': accept_len, 'tokens_per_forward': 1.0 + accept_len, 'steps': steps}
 

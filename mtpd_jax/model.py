@@ -178,13 +178,13 @@ class Attention(nnx.Module):
       k_BxGxSxE, v_BxGxSxE = cache['k'], cache['v']
     else:
       k_BxGxSxE, v_BxGxSxE = k_BxTxGxE.transpose(0, 2, 1, 3), v_BxTxGxE.transpose(0, 2, 1, 3)
-    q_BxTxGxQxE = q_BxTxHxE.reshape(b, t, g, h // g, e)
-    scores_BxGxQxTxS = jnp.einsum('btgqe,bgse->bgqts', q_BxTxGxQxE, k_BxGxSxE,
+    q_BxTxGxQheadsxE = q_BxTxHxE.reshape(b, t, g, h // g, e)
+    scores_BxGxQheadsxTxS = jnp.einsum('btgqe,bgse->bgqts', q_BxTxGxQheadsxE, k_BxGxSxE,
                                   preferred_element_type=jnp.float32) / jnp.sqrt(e).astype(jnp.float32)
-    scores_BxGxQxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxGxQxTxS, -1e30)
-    probs_BxGxQxTxS = jax.nn.softmax(scores_BxGxQxTxS, axis=-1).astype(x_BxTxD.dtype)  # softmax in f32
-    out_BxTxGxQxE = jnp.einsum('bgqts,bgse->btgqe', probs_BxGxQxTxS, v_BxGxSxE)
-    out_BxTxD = dense('bthe,hed->btd', out_BxTxGxQxE.reshape(b, t, h, e), self.wo[...], om)
+    scores_BxGxQheadsxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxGxQheadsxTxS, -1e30)
+    probs_BxGxQheadsxTxS = jax.nn.softmax(scores_BxGxQheadsxTxS, axis=-1).astype(x_BxTxD.dtype)  # softmax in f32
+    out_BxTxGxQheadsxE = jnp.einsum('bgqts,bgse->btgqe', probs_BxGxQheadsxTxS, v_BxGxSxE)
+    out_BxTxD = dense('bthe,hed->btd', out_BxTxGxQheadsxE.reshape(b, t, h, e), self.wo[...], om)
     return out_BxTxD, cache
 
 

@@ -1,7 +1,8 @@
 """Mixture-of-Experts feed-forward: a top-k router, capacity or dropless dispatch, load balancing.
 
-Dimension letters: the legend in mtpd_jax/__init__.py (X experts, A chosen per token, Y routing
-groups of R tokens each, C capacity slots per expert).
+Axes: the legend in mtpd_jax/__init__.py. Its words Experts, Chosen (per token), Groups (of R
+tokens each) and Slots (of an expert's capacity) are x, a, y and c in the einsums, and X, A, Y and C
+in the formulas below.
 
 Router (DeepSeek-style): softmax over the X experts in f32, the top A chosen, and their gates
 renormalised to sum to 1 (`renormalize_gates`). Balancing, either or both:
@@ -77,45 +78,58 @@ def param(rngs, init, shape, axes, kind=nnx.Param) -> nnx.Param:
   return kind(init(rngs.params(), shape, jnp.float32), axes=axes)
 
 
-def route(logits_RxX, bias_X, top_k: int, renormalize: bool):
+def route(logits_RxExperts, bias_Experts, top_k: int, renormalize: bool):
   """Top-k experts of each token and their gates (from the unbiased softmax, in f32)."""
-  probs_RxX = jax.nn.softmax(logits_RxX.astype(jnp.float32), axis=-1)
-  _, idx_RxA = jax.lax.top_k(probs_RxX + jax.lax.stop_gradient(bias_X), top_k)  # bias: choice only
-  gates_RxA = jnp.take_along_axis(probs_RxX, idx_RxA, axis=-1)
+  probs_RxExperts = jax.nn.softmax(logits_RxExperts.astype(jnp.float32), axis=-1)
+  # The bias moves the choice only: gates come from the unbiased probabilities.
+  _, idx_RxChosen = jax.lax.top_k(probs_RxExperts + jax.lax.stop_gradient(bias_Experts), top_k)
+  gates_RxChosen = jnp.take_along_axis(probs_RxExperts, idx_RxChosen, axis=-1)
   if renormalize:
-    gates_RxA = gates_RxA / jnp.sum(gates_RxA, axis=-1, keepdims=True)
-  return idx_RxA, gates_RxA, probs_RxX
+    gates_RxChosen = gates_RxChosen / jnp.sum(gates_RxChosen, axis=-1, keepdims=True)
+  return idx_RxChosen, gates_RxChosen, probs_RxExperts
 
 
-def dispatch_masks(idx_YxRxA, gates_YxRxA, valid_YxR, num_experts: int, capacity: int):
-  """One-hot dispatch and gate-weighted combine tensors YxRxXxC, and which choices fit (YxRxA).
+def dispatch_masks(idx_GroupsxRxChosen, gates_GroupsxRxChosen, valid_GroupsxR, num_experts: int,
+                   capacity: int):
+  """One-hot dispatch and gate-weighted combine tensors (Groups x R x Experts x Slots), and which
+  choices fit (Groups x R x Chosen).
 
   Slots are handed out in token-major order (all choices of token r before token r+1), so a
   token's placement depends only on earlier tokens of its group. Invalid (padding) tokens take none.
   """
-  y, r, a = idx_YxRxA.shape
-  choice_YxRxAxX = jax.nn.one_hot(idx_YxRxA, num_experts, dtype=jnp.int32) * valid_YxR[..., None, None]
-  queue_YxRAxX = jnp.cumsum(choice_YxRxAxX.reshape(y, r * a, num_experts), axis=1) - 1
-  slot_YxRxA = jnp.sum(queue_YxRAxX.reshape(y, r, a, num_experts) * choice_YxRxAxX, axis=-1)
-  keep_YxRxA = (slot_YxRxA < capacity) & (jnp.sum(choice_YxRxAxX, axis=-1) > 0)
-  slot_YxRxAxC = jax.nn.one_hot(slot_YxRxA, capacity, dtype=jnp.float32) * keep_YxRxA[..., None]
-  choice_YxRxAxX = choice_YxRxAxX.astype(jnp.float32)
-  dispatch_YxRxXxC = jnp.einsum('yrax,yrac->yrxc', choice_YxRxAxX, slot_YxRxAxC)
-  combine_YxRxXxC = jnp.einsum('yrax,yrac,yra->yrxc', choice_YxRxAxX, slot_YxRxAxC, gates_YxRxA)
-  return dispatch_YxRxXxC, combine_YxRxXxC, keep_YxRxA
+  y, r, a = idx_GroupsxRxChosen.shape
+  choice_GroupsxRxChosenxExperts = (jax.nn.one_hot(idx_GroupsxRxChosen, num_experts, dtype=jnp.int32)
+                                    * valid_GroupsxR[..., None, None])
+  # An expert's queue position for each choice: its earlier choices in the group, token-major.
+  queue = jnp.cumsum(choice_GroupsxRxChosenxExperts.reshape(y, r * a, num_experts), axis=1) - 1
+  slot_GroupsxRxChosen = jnp.sum(queue.reshape(y, r, a, num_experts)
+                                 * choice_GroupsxRxChosenxExperts, axis=-1)
+  # A valid token's choice (padding tokens choose nothing).
+  chose_GroupsxRxChosen = jnp.sum(choice_GroupsxRxChosenxExperts, axis=-1) > 0
+  keep_GroupsxRxChosen = (slot_GroupsxRxChosen < capacity) & chose_GroupsxRxChosen
+  slot_GroupsxRxChosenxSlots = (jax.nn.one_hot(slot_GroupsxRxChosen, capacity, dtype=jnp.float32)
+                                * keep_GroupsxRxChosen[..., None])
+  choice_GroupsxRxChosenxExperts = choice_GroupsxRxChosenxExperts.astype(jnp.float32)
+  dispatch_GroupsxRxExpertsxSlots = jnp.einsum('yrax,yrac->yrxc', choice_GroupsxRxChosenxExperts,
+                                               slot_GroupsxRxChosenxSlots)
+  combine_GroupsxRxExpertsxSlots = jnp.einsum('yrax,yrac,yra->yrxc', choice_GroupsxRxChosenxExperts,
+                                              slot_GroupsxRxChosenxSlots, gates_GroupsxRxChosen)
+  return dispatch_GroupsxRxExpertsxSlots, combine_GroupsxRxExpertsxSlots, keep_GroupsxRxChosen
 
 
-def routing_stats(idx_RxA, probs_RxX, keep_RxA, valid_R, bias_update_rate: float) -> dict:
+def routing_stats(idx_RxChosen, probs_RxExperts, keep_RxChosen, valid_R,
+                  bias_update_rate: float) -> dict:
   """Balancing loss, per-expert load f_x (share of routed choices, before capacity) and drops."""
-  x = probs_RxX.shape[-1]
+  x = probs_RxExperts.shape[-1]
   n_valid = jnp.maximum(jnp.sum(valid_R), 1)
-  choice_RxX = jnp.sum(jax.nn.one_hot(idx_RxA, x), axis=1) * valid_R[:, None]
-  load_X = jnp.sum(choice_RxX, axis=0) / (n_valid * idx_RxA.shape[-1])
-  mean_prob_X = jnp.sum(probs_RxX * valid_R[:, None], axis=0) / n_valid
-  return {'aux_loss': x * jnp.sum(jax.lax.stop_gradient(load_X) * mean_prob_X),
-          'max_load': x * jnp.max(load_X),
-          'dropped_frac': 1.0 - jnp.sum(keep_RxA * valid_R[:, None]) / (n_valid * idx_RxA.shape[-1]),
-          'bias_delta_X': bias_update_rate * jnp.sign(1.0 / x - load_X)}
+  choice_RxExperts = jnp.sum(jax.nn.one_hot(idx_RxChosen, x), axis=1) * valid_R[:, None]
+  load_Experts = jnp.sum(choice_RxExperts, axis=0) / (n_valid * idx_RxChosen.shape[-1])
+  mean_prob_Experts = jnp.sum(probs_RxExperts * valid_R[:, None], axis=0) / n_valid
+  return {'aux_loss': x * jnp.sum(jax.lax.stop_gradient(load_Experts) * mean_prob_Experts),
+          'max_load': x * jnp.max(load_Experts),
+          'dropped_frac': (1.0 - jnp.sum(keep_RxChosen * valid_R[:, None])
+                           / (n_valid * idx_RxChosen.shape[-1])),
+          'bias_delta_Experts': bias_update_rate * jnp.sign(1.0 / x - load_Experts)}
 
 
 class MoE(nnx.Module):
@@ -130,10 +144,10 @@ class MoE(nnx.Module):
     self.w_up = param(rngs, _expert_init, (x, dim, f), ('expert', 'embed', 'mlp'))
     self.w_down = param(rngs, _expert_init, (x, f, dim), ('expert', 'mlp', 'embed'))
 
-  def _experts(self, x_XxYxCxD):
-    dt = x_XxYxCxD.dtype
-    gate = jnp.einsum('xycd,xdf->xycf', x_XxYxCxD, self.w_gate[...].astype(dt))
-    up = jnp.einsum('xycd,xdf->xycf', x_XxYxCxD, self.w_up[...].astype(dt))
+  def _experts(self, x_ExpertsxGroupsxSlotsxD):
+    dt = x_ExpertsxGroupsxSlotsxD.dtype
+    gate = jnp.einsum('xycd,xdf->xycf', x_ExpertsxGroupsxSlotsxD, self.w_gate[...].astype(dt))
+    up = jnp.einsum('xycd,xdf->xycf', x_ExpertsxGroupsxSlotsxD, self.w_up[...].astype(dt))
     return jnp.einsum('xycf,xfd->xycd', jax.nn.silu(gate) * up, self.w_down[...].astype(dt))
 
   def __call__(self, x_BxTxD, *, dropless: bool = True, move_bias: bool = False):
@@ -144,14 +158,15 @@ class MoE(nnx.Module):
     """
     cfg, dt = self.cfg, x_BxTxD.dtype
     b, t, d = x_BxTxD.shape
-    logits_BxTxX = jnp.einsum('btd,dx->btx', x_BxTxD.astype(jnp.float32), self.w_router[...])
-    idx_BxTxA, gates_BxTxA, probs_BxTxX = route(logits_BxTxX, self.router_bias[...], cfg.top_k,
-                                                cfg.renormalize_gates)
+    logits_BxTxExperts = jnp.einsum('btd,dx->btx', x_BxTxD.astype(jnp.float32), self.w_router[...])
+    idx_BxTxChosen, gates_BxTxChosen, probs_BxTxExperts = route(
+        logits_BxTxExperts, self.router_bias[...], cfg.top_k, cfg.renormalize_gates)
     if dropless or cfg.capacity_factor <= 0:
-      gates_BxTxX = jnp.sum(jax.nn.one_hot(idx_BxTxA, cfg.num_experts) * gates_BxTxA[..., None], axis=2)
-      y_XxBxTxD = self._experts(jnp.broadcast_to(x_BxTxD, (cfg.num_experts, b, t, d)))
-      out_BxTxD = jnp.einsum('btx,xbtd->btd', gates_BxTxX.astype(dt), y_XxBxTxD)
-      keep_BxTxA, valid_BxT = jnp.ones(idx_BxTxA.shape, bool), jnp.ones((b, t), bool)
+      gates_BxTxExperts = jnp.sum(
+          jax.nn.one_hot(idx_BxTxChosen, cfg.num_experts) * gates_BxTxChosen[..., None], axis=2)
+      y_ExpertsxBxTxD = self._experts(jnp.broadcast_to(x_BxTxD, (cfg.num_experts, b, t, d)))
+      out_BxTxD = jnp.einsum('btx,xbtd->btd', gates_BxTxExperts.astype(dt), y_ExpertsxBxTxD)
+      keep_BxTxChosen, valid_BxT = jnp.ones(idx_BxTxChosen.shape, bool), jnp.ones((b, t), bool)
     else:
       # Groups of R consecutive tokens of one sequence; a ragged tail is padded and routes nowhere.
       r = min(cfg.group_size or t, t)
@@ -159,21 +174,26 @@ class MoE(nnx.Module):
       padded = lambda a, v: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=v)
       y = b * (t + pad) // r
       valid_BxT = padded(jnp.ones((b, t), bool), False)
-      dispatch_YxRxXxC, combine_YxRxXxC, keep_YxRxA = dispatch_masks(
-          padded(idx_BxTxA, 0).reshape(y, r, -1), padded(gates_BxTxA, 0.0).reshape(y, r, -1),
-          valid_BxT.reshape(y, r), cfg.num_experts, cfg.capacity(r))
-      x_YxRxD = padded(x_BxTxD, 0.0).reshape(y, r, d)
-      # expert inputs[X_expert, Y_batch, C, D]: the dispatch is an all-to-all when both axes are sharded
-      x_XxYxCxD = jnp.einsum('yrxc,yrd->xycd', dispatch_YxRxXxC.astype(dt), x_YxRxD)
-      out_YxRxD = jnp.einsum('yrxc,xycd->yrd', combine_YxRxXxC.astype(dt), self._experts(x_XxYxCxD))
-      out_BxTxD = out_YxRxD.reshape(b, t + pad, d)[:, :t]
-      keep_BxTxA = keep_YxRxA.reshape(b, t + pad, -1)[:, :t]
+      masks = dispatch_masks(padded(idx_BxTxChosen, 0).reshape(y, r, -1),
+                             padded(gates_BxTxChosen, 0.0).reshape(y, r, -1),
+                             valid_BxT.reshape(y, r), cfg.num_experts, cfg.capacity(r))
+      dispatch_GroupsxRxExpertsxSlots, combine_GroupsxRxExpertsxSlots, keep_GroupsxRxChosen = masks
+      x_GroupsxRxD = padded(x_BxTxD, 0.0).reshape(y, r, d)
+      # expert inputs[Experts_expert, Groups_batch, Slots, D]: the dispatch is an all-to-all when
+      # both axes are sharded
+      dispatch = dispatch_GroupsxRxExpertsxSlots.astype(dt)
+      x_ExpertsxGroupsxSlotsxD = jnp.einsum('yrxc,yrd->xycd', dispatch, x_GroupsxRxD)
+      out_GroupsxRxD = jnp.einsum('yrxc,xycd->yrd', combine_GroupsxRxExpertsxSlots.astype(dt),
+                                  self._experts(x_ExpertsxGroupsxSlotsxD))
+      out_BxTxD = out_GroupsxRxD.reshape(b, t + pad, d)[:, :t]
+      keep_BxTxChosen = keep_GroupsxRxChosen.reshape(b, t + pad, -1)[:, :t]
       valid_BxT = valid_BxT[:, :t]
     rows = b * t
-    stats = routing_stats(idx_BxTxA.reshape(rows, -1), probs_BxTxX.reshape(rows, -1),
-                          keep_BxTxA.reshape(rows, -1), valid_BxT.reshape(rows), cfg.bias_update_rate)
+    stats = routing_stats(idx_BxTxChosen.reshape(rows, -1), probs_BxTxExperts.reshape(rows, -1),
+                          keep_BxTxChosen.reshape(rows, -1), valid_BxT.reshape(rows),
+                          cfg.bias_update_rate)
     if move_bias and cfg.bias_update_rate:
-      self.router_bias[...] = self.router_bias[...] + stats['bias_delta_X']
+      self.router_bias[...] = self.router_bias[...] + stats['bias_delta_Experts']
     return out_BxTxD, stats
 
 

@@ -28,9 +28,9 @@ def dense(spec: str, x, w, out_major: bool = False, preferred_element_type=None)
   x_axes, w_axes = spec.split('->')[0].split(',')
   lead = x.shape[:x.ndim - len(set(x_axes) & set(w_axes))]
   n = x.size // w.shape[1]
-  x_NxI = jnp.pad(x.reshape(n, w.shape[1]), ((0, -n % 8 if 4 < n < 16 else 0), (0, 0)))
-  y_OxN = jnp.matmul(w, x_NxI.T, preferred_element_type=preferred_element_type)
-  return lax.optimization_barrier(y_OxN).T[:n].reshape(*lead, w.shape[0])
+  x_RxIn = jnp.pad(x.reshape(n, w.shape[1]), ((0, -n % 8 if 4 < n < 16 else 0), (0, 0)))
+  y_OutxR = jnp.matmul(w, x_RxIn.T, preferred_element_type=preferred_element_type)
+  return lax.optimization_barrier(y_OutxR).T[:n].reshape(*lead, w.shape[0])
 
 
 def _out_major_modules(model):

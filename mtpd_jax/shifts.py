@@ -27,14 +27,15 @@ def shift_right(x_BxT, k: int, fill: Any = 0):
   return jnp.concatenate([pad, x_BxT[:, :-k]], axis=1)
 
 
-def gather_at(x_BxS, pos_BxW):
+def gather_at(x_BxS, pos_BxWindow):
   """x[b, pos[b, w]] along axis 1: each sequence read at its own positions (past the end: the last)."""
-  idx = jnp.clip(pos_BxW, 0, x_BxS.shape[1] - 1).reshape(pos_BxW.shape + (1,) * (x_BxS.ndim - 2))
+  idx = jnp.clip(pos_BxWindow, 0, x_BxS.shape[1] - 1)
+  idx = idx.reshape(pos_BxWindow.shape + (1,) * (x_BxS.ndim - 2))
   return jnp.take_along_axis(x_BxS, idx, axis=1)
 
 
-def write_at(x_BxS, pos_BxW, val_BxW, keep_BxW=None):
+def write_at(x_BxS, pos_BxWindow, val_BxWindow, keep_BxWindow=None):
   """x[b, pos[b, w]] = val[b, w] where `keep`; other and out-of-range writes are dropped."""
-  if keep_BxW is not None:
-    pos_BxW = jnp.where(keep_BxW, pos_BxW, x_BxS.shape[1])
-  return x_BxS.at[jnp.arange(x_BxS.shape[0])[:, None], pos_BxW].set(val_BxW, mode='drop')
+  if keep_BxWindow is not None:
+    pos_BxWindow = jnp.where(keep_BxWindow, pos_BxWindow, x_BxS.shape[1])
+  return x_BxS.at[jnp.arange(x_BxS.shape[0])[:, None], pos_BxWindow].set(val_BxWindow, mode='drop')

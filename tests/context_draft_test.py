@@ -133,8 +133,8 @@ def test_context_drafts_keep_greedy_output_with_a_draft_vocabulary_in_both_layou
     np.testing.assert_array_equal(got, want)
 
 
-def _uniform_laws(nodes_BxO, vocab_size):
-  return jax.numpy.zeros(nodes_BxO.shape + (vocab_size,))
+def _uniform_laws(nodes_BxNodes, vocab_size):
+  return jax.numpy.zeros(nodes_BxNodes.shape + (vocab_size,))
 
 
 @pytest.mark.parametrize('source,broken', [('context', False), ('both', False), ('context', True)])

@@ -74,18 +74,19 @@ def test_speculative_greedy_equals_plain_greedy(models, depth, stop):
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'opts', 'num_steps'))
-def _decode_trace(structure, leaves, prompt_BxP, prompt_len_B, opts, num_steps):
+def _decode_trace(structure, leaves, prompt_BxT, prompt_len_B, opts, num_steps):
   """Prefill and `num_steps` steps; the buffers and logits after each of them, stacked."""
   model = structure.merge(leaves)
-  st = decode.prefill(model, prompt_BxP, prompt_len_B, jax.random.key(0), opts)
+  st = decode.prefill(model, prompt_BxT, prompt_len_B, jax.random.key(0), opts)
   def body(st, _):
     # The committed tokens, then (speculative) the chain's drafts after the pending token.
-    buffer_BxS = st.tokens_BxS if st.nodes_BxO is None else write_at(
-        st.tokens_BxS, (st.length_B - 1)[:, None] + jnp.arange(st.nodes_BxO.shape[1]), st.nodes_BxO)
-    draft_logits = None if st.draft_logits_BxOxV is None else st.draft_logits_BxOxV[:, 1:]  # the root: none
+    buffer_BxS = st.tokens_BxS if st.nodes_BxNodes is None else write_at(
+        st.tokens_BxS, (st.length_B - 1)[:, None] + jnp.arange(st.nodes_BxNodes.shape[1]), st.nodes_BxNodes)
+    # The root was drawn from no draft logits.
+    draft_logits = None if st.draft_logits_BxNodesxV is None else st.draft_logits_BxNodesxV[:, 1:]
     return decode.step(model, st, opts), (buffer_BxS, st.length_B, st.logits_BxV, draft_logits)
   st, trace = jax.lax.scan(body, st, length=num_steps)
-  return trace, st.accept_BxI
+  return trace, st.accept_BxSteps
 
 
 @pytest.mark.parametrize('depth', [0, 1, 2, 3])  # plain, below K=2 (every K=1 row drafts at 1), K, looped
@@ -97,8 +98,8 @@ def test_kv_cache_decoding_matches_full_recomputation(trained, depth):
   misses slots only at J = 1.
   """
   opts = decode.options(12, draft_depth=depth, temperature=1.0 if depth else 0.0)
-  prompt_BxP, lens_B = decode.pad_prompts(_prompts(), 16)
-  trace, accepts_BxI = _decode_trace(*decode.split(trained), prompt_BxP, lens_B, opts, 5)
+  prompt_BxT, lens_B = decode.pad_prompts(_prompts(), 16)
+  trace, accepts_BxSteps = _decode_trace(*decode.split(trained), prompt_BxT, lens_B, opts, 5)
   rows = np.arange(len(lens_B))
   for tokens_BxS, length_B, logits_BxV, draft_logits_BxJxV in zip(*map(np.asarray, trace[:3]),
                                                                   trace[3] if depth else [None] * 5):
@@ -110,7 +111,7 @@ def test_kv_cache_decoding_matches_full_recomputation(trained, depth):
       full_BxJxV = np.swapaxes(full_drafts_JxBxSxV[:, rows, last_B], 0, 1)
       np.testing.assert_allclose(draft_logits_BxJxV, full_BxJxV, atol=1e-4, rtol=1e-4)
   if depth:  # accepted and rolled-back drafts were both seen, and (J > 1) some sequence finished early
-    seen = set(np.asarray(accepts_BxI)[:, :5].ravel().tolist())
+    seen = set(np.asarray(accepts_BxSteps)[:, :5].ravel().tolist())
     assert 0 in seen and max(seen) > 0 and (depth == 1 or -1 in seen)
 
 
@@ -224,13 +225,13 @@ def test_draft_vocabulary_keeps_greedy_output_and_is_checked(models):
 
 def _drafted_ids(structure, leaves, prompts, opts, num_steps=MAX_NEW):
   """Every token id that greedy drafting proposes to unfinished sequences (any path) in `num_steps` steps."""
-  prompt_BxP, lens_B = decode.pad_prompts(prompts)
-  st = decode.jit_prefill(structure, leaves, prompt_BxP, lens_B, jax.random.key(0), opts)
+  prompt_BxT, lens_B = decode.pad_prompts(prompts)
+  st = decode.jit_prefill(structure, leaves, prompt_BxT, lens_B, jax.random.key(0), opts)
   ids = set()
   for _ in range(num_steps):
-    nodes_BxO, done_B = map(np.asarray, (st.nodes_BxO, st.done_B))
-    for nodes_O, done in zip(nodes_BxO, done_B):
-      ids.update([] if done else nodes_O[1:].tolist())  # node 0 is the pending token
+    nodes_BxNodes, done_B = map(np.asarray, (st.nodes_BxNodes, st.done_B))
+    for nodes_Nodes, done in zip(nodes_BxNodes, done_B):
+      ids.update([] if done else nodes_Nodes[1:].tolist())  # node 0 is the pending token
     st = decode.jit_steps(structure, leaves, st, opts, 1)
   return ids
 
@@ -312,12 +313,13 @@ def test_adaptive_depth_keeps_greedy_output_and_proposes_the_confident_prefix(mo
       assert np.concatenate(spec.accept_lengths).sum() < np.concatenate(chain.accept_lengths).sum()
   # The count of proposed drafts: the leading depths whose top probability reaches the threshold.
   structure, leaves = decode.split(models['trained'])
-  prompt_BxP, lens_B = decode.pad_prompts(prompts)
+  prompt_BxT, lens_B = decode.pad_prompts(prompts)
   opts = decode.options(MAX_NEW, draft_depth=3, temperature=1.0, draft_min_prob=0.6)
-  st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
+  st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxT, lens_B,
                                                               jax.random.key(0), opts), opts, 2)
-  top_BxJ = np.asarray(jnp.max(sampling.probs(st.draft_logits_BxOxV[:, 1:], 1.0), axis=-1))  # a chain's drafts
-  proposed_B = np.asarray(st.proposed_BxO[:, 1:]).sum(1)
+  # A chain's drafts: its nodes past the root.
+  top_BxJ = np.asarray(jnp.max(sampling.probs(st.draft_logits_BxNodesxV[:, 1:], 1.0), axis=-1))
+  proposed_B = np.asarray(st.proposed_BxNodes[:, 1:]).sum(1)
   np.testing.assert_array_equal(proposed_B, np.cumprod(top_BxJ >= 0.6, axis=1).sum(1))
   assert 0 < proposed_B.min() < 3 or 0 < proposed_B.max() < 3
   with pytest.raises(ValueError, match='draft_min_prob=1.5'):
@@ -325,14 +327,14 @@ def test_adaptive_depth_keeps_greedy_output_and_proposes_the_confident_prefix(mo
 
 
 @functools.partial(jax.jit, static_argnames=('structure', 'opts', 'num_steps'))
-def _proposed_and_accepted(structure, leaves, prompt_BxP, prompt_len_B, opts, num_steps):
+def _proposed_and_accepted(structure, leaves, prompt_BxT, prompt_len_B, opts, num_steps):
   """Per step, the drafts each sequence proposed (adaptive depth) and how many were accepted."""
   model = structure.merge(leaves)
-  st = decode.prefill(model, prompt_BxP, prompt_len_B, jax.random.key(0), opts)
+  st = decode.prefill(model, prompt_BxT, prompt_len_B, jax.random.key(0), opts)
   depth = opts.draft.depth
-  st, proposed_IxB = jax.lax.scan(lambda st, _: (decode.step(model, st, opts), jnp.sum(st.proposed_BxO[:, 1:depth + 1], 1)),
+  st, proposed_StepsxB = jax.lax.scan(lambda st, _: (decode.step(model, st, opts), jnp.sum(st.proposed_BxNodes[:, 1:depth + 1], 1)),
                                   st, length=num_steps)
-  return proposed_IxB.T, st.accept_BxI[:, :num_steps]
+  return proposed_StepsxB.T, st.accept_BxSteps[:, :num_steps]
 
 
 @pytest.mark.parametrize('temperature', [0.0, 1.0])
@@ -340,30 +342,30 @@ def test_adaptive_depth_never_accepts_a_draft_it_did_not_propose(trained, temper
   """AR, CAR and tokens per forward count an unproposed draft as rejected (docs/design.md,
   "Metrics"), even where it happens to match: accepted <= proposed at every step, and at
   draft_min_prob = 1.0 (nothing proposed) every accepted length is 0, though the chain accepts."""
-  prompt_BxP, lens_B = decode.pad_prompts(_prompts())
+  prompt_BxT, lens_B = decode.pad_prompts(_prompts())
   structure, leaves = decode.split(trained)
   steps = {}
   for min_prob in (0.0, 0.6, 1.0):
     opts = decode.options(MAX_NEW, draft_depth=3, temperature=temperature, draft_min_prob=min_prob)
     if min_prob:
-      proposed_BxI, accepted_BxI = map(np.asarray, _proposed_and_accepted(structure, leaves, prompt_BxP, lens_B,
+      proposed_BxSteps, accepted_BxSteps = map(np.asarray, _proposed_and_accepted(structure, leaves, prompt_BxT, lens_B,
                                                                            opts, 8))
-      live_BxI = accepted_BxI >= 0
-      assert (accepted_BxI[live_BxI] <= proposed_BxI[live_BxI]).all(), min_prob
-      steps[min_prob] = proposed_BxI[live_BxI], accepted_BxI[live_BxI]
+      live_BxSteps = accepted_BxSteps >= 0
+      assert (accepted_BxSteps[live_BxSteps] <= proposed_BxSteps[live_BxSteps]).all(), min_prob
+      steps[min_prob] = proposed_BxSteps[live_BxSteps], accepted_BxSteps[live_BxSteps]
     else:
-      accepted_BxI = np.asarray(decode.jit_steps(structure, leaves, decode.jit_prefill(
-          structure, leaves, prompt_BxP, lens_B, jax.random.key(0), opts), opts, 8).accept_BxI[:, :8])
-      steps[min_prob] = None, accepted_BxI[accepted_BxI >= 0]
+      accepted_BxSteps = np.asarray(decode.jit_steps(structure, leaves, decode.jit_prefill(
+          structure, leaves, prompt_BxT, lens_B, jax.random.key(0), opts), opts, 8).accept_BxSteps[:, :8])
+      steps[min_prob] = None, accepted_BxSteps[accepted_BxSteps >= 0]
   assert (steps[1.0][0] == 0).all() and (steps[1.0][1] == 0).all()
   assert steps[0.0][1].sum() > 0  # the heads' drafts do match: without the rule some would count
   proposed, accepted = steps[0.6]
   assert (proposed < 3).any() and (accepted == proposed).any() and (accepted < proposed).any()
 
 
-def _drawn_draft_probability(logits_BxV, drafts_BxC, temperature, top_p):  # a broken rule: it reads the draw
+def _drawn_draft_probability(logits_BxV, drafts_BxChildren, temperature, top_p):  # a broken rule: it reads the draw
   p_BxV = sampling.probs(logits_BxV, temperature or 1.0, top_p)
-  return jnp.take_along_axis(p_BxV, drafts_BxC[:, :1], axis=-1)[:, 0]
+  return jnp.take_along_axis(p_BxV, drafts_BxChildren[:, :1], axis=-1)[:, 0]
 
 
 @pytest.mark.parametrize('broken', [False, True])
@@ -413,18 +415,20 @@ def test_sampled_tree_siblings_are_independent_draws_from_their_parents_q(sampli
   opts = decode.options(3, draft_depth=2, temperature=TEMPERATURE, top_p=TOP_P, tree=tree)
   structure, leaves = decode.split(model)
   st = decode.jit_prefill(structure, leaves, *decode.pad_prompts([prompt] * 2048), jax.random.key(5), opts)
-  nodes_BxO = np.asarray(st.nodes_BxO)
-  q_BxOxV = np.asarray(sampling.probs(st.draft_logits_BxOxV, TEMPERATURE, TOP_P))
-  assert nodes_BxO.shape[1] == 10  # the root, 3 nodes at depth 1, 6 at depth 2
-  np.testing.assert_array_equal(q_BxOxV[:, 1], q_BxOxV[:, 3])  # siblings carry their parent's one q
-  agree = np.mean(np.sum(q_BxOxV[:, 1] ** 2, axis=-1))  # P(two independent draws from the root's q agree)
-  same = np.mean(nodes_BxO[:, 1] == nodes_BxO[:, 3])  # nodes 1 and 3: siblings at depth 1
+  nodes_BxNodes = np.asarray(st.nodes_BxNodes)
+  q_BxNodesxV = np.asarray(sampling.probs(st.draft_logits_BxNodesxV, TEMPERATURE, TOP_P))
+  assert nodes_BxNodes.shape[1] == 10  # the root, 3 nodes at depth 1, 6 at depth 2
+  # Siblings carry their parent's one q.
+  np.testing.assert_array_equal(q_BxNodesxV[:, 1], q_BxNodesxV[:, 3])
+  # P(two independent draws from the root's q agree).
+  agree = np.mean(np.sum(q_BxNodesxV[:, 1] ** 2, axis=-1))
+  same = np.mean(nodes_BxNodes[:, 1] == nodes_BxNodes[:, 3])  # nodes 1 and 3: siblings at depth 1
   assert abs(same - agree) < 0.04 and agree < 0.8  # 2048 pairs: 4 standard errors
   # Node 1's children (4, 5) and node 2's (6, 7) come from different q's: their laws differ.
-  assert np.abs(q_BxOxV[:, 4] - q_BxOxV[:, 6]).max() > 0.05
+  assert np.abs(q_BxNodesxV[:, 4] - q_BxNodesxV[:, 6]).max() > 0.05
   for child in (4, 5, 6, 7):  # each child is drawn from its parent's q: the empirical law matches it
-    freq_V = np.bincount(nodes_BxO[:, child], minlength=8) / len(nodes_BxO)
-    np.testing.assert_allclose(freq_V, q_BxOxV[:, child].mean(0), atol=0.05)
+    freq_V = np.bincount(nodes_BxNodes[:, child], minlength=8) / len(nodes_BxNodes)
+    np.testing.assert_allclose(freq_V, q_BxNodesxV[:, child].mean(0), atol=0.05)
 
 
 def test_sampled_siblings_raise_the_acceptance_length(trained):
@@ -468,13 +472,13 @@ def test_tree_caches_hold_exactly_the_committed_tokens_states(trained):
   teacher-forced pass over the committed tokens gives, and the hidden states those positions' own:
   the accepted path was compacted into place, as a chain has it."""
   structure, leaves = decode.split(trained)
-  prompt_BxP, lens_B = decode.pad_prompts(_prompts(), 16)
+  prompt_BxT, lens_B = decode.pad_prompts(_prompts(), 16)
   opts = decode.options(MAX_NEW, draft_depth=3, tree=(3, 1, 2))
-  st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
+  st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxT, lens_B,
                                                               jax.random.key(0), opts), opts, 4)
   tokens_BxS, length_B = np.asarray(st.tokens_BxS), np.asarray(st.length_B)
   # one row per sequence, holding the root and the 3 + 3 + 6 drafts
-  assert st.nodes_BxO.shape == (len(lens_B), 13) and st.h0_BxSxD.shape[0] == len(lens_B)
+  assert st.nodes_BxNodes.shape == (len(lens_B), 13) and st.h0_BxSxD.shape[0] == len(lens_B)
   ref = decode.jit_prefill(structure, leaves, tokens_BxS[:, :length_B.max()], length_B,  # a chain prefill: keeps h
                            jax.random.key(0), decode.options(1, draft_depth=1))
   for b, length in enumerate(length_B):
@@ -493,16 +497,18 @@ def test_the_tree_pass_gives_each_path_what_a_chain_verify_of_its_drafts_gives(m
   over that path's pending token and drafts."""
   model = models['trained']
   structure, leaves = decode.split(model)
-  prompt_BxP, lens_B = decode.pad_prompts(_prompts(), 16)
+  prompt_BxT, lens_B = decode.pad_prompts(_prompts(), 16)
   opts = decode.options(MAX_NEW, draft_depth=len(tree), tree=tree)
-  st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxP, lens_B,
+  st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxT, lens_B,
                                                               jax.random.key(0), opts), opts, 2)
-  h_BxOxD, logits_BxOxV, _ = drafting.verify_pass(model, st.nodes_BxO, st.length_B, st.caches, opts.draft)
-  nodes_PxJ1 = drafting.path_nodes(tree)
-  assert len(np.unique(np.asarray(st.nodes_BxO)[:, nodes_PxJ1], axis=1)[0]) > 1  # the paths do differ
+  h_BxNodesxD, logits_BxNodesxV, _ = drafting.verify_pass(model, st.nodes_BxNodes, st.length_B,
+                                                          st.caches, opts.draft)
+  nodes_PathsxJ1 = drafting.path_nodes(tree)
+  # The paths do differ.
+  assert len(np.unique(np.asarray(st.nodes_BxNodes)[:, nodes_PathsxJ1], axis=1)[0]) > 1
   pos_BxJ1 = (st.length_B - 1)[:, None] + jnp.arange(len(tree) + 1)
-  for path in nodes_PxJ1:
-    tokens_BxJ1 = st.nodes_BxO[:, path]
+  for path in nodes_PathsxJ1:
+    tokens_BxJ1 = st.nodes_BxNodes[:, path]
     h_want, _ = model.trunk(tokens_BxJ1, pos_BxJ1, cache_mask(pos_BxJ1, st.tokens_BxS.shape[1]), st.caches)
-    np.testing.assert_allclose(h_BxOxD[:, path], h_want, atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(logits_BxOxV[:, path], model.logits(h_want), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(h_BxNodesxD[:, path], h_want, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits_BxNodesxV[:, path], model.logits(h_want), atol=1e-4, rtol=1e-4)

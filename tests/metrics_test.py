@@ -42,8 +42,8 @@ def test_depth_never_reached_gives_nan_and_out_of_range_lengths_raise():
 def test_car_is_the_product_of_ar_and_sums_to_the_accepted_length(seed):
   rng = np.random.default_rng(seed)
   depth = 6
-  a_I = np.minimum(rng.geometric(0.3, size=500) - 1, depth)  # leading-acceptance counts
-  stats = metrics.acceptance_stats(a_I, depth)
+  a_Steps = np.minimum(rng.geometric(0.3, size=500) - 1, depth)  # leading-acceptance counts
+  stats = metrics.acceptance_stats(a_Steps, depth)
   np.testing.assert_allclose(stats['car'], np.cumprod(stats['ar']), rtol=1e-12)
   assert sum(stats['car']) == pytest.approx(stats['accept_len'])
 

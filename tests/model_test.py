@@ -137,10 +137,10 @@ def test_out_major_matrices_give_the_same_model(tie, experts):
 def test_out_major_dense_equals_einsum_at_every_row_count(rows):
   """W @ x^T pads 5-15 rows to the next multiple of 8 (out_major.dense); the padding never shows."""
   x = jax.random.normal(jax.random.key(1), (1, rows, 12))
-  w_IxHxE = jax.random.normal(jax.random.key(2), (12, 2, 5))
-  got = out_major.dense('btd,dhe->bthe', x, w_IxHxE.reshape(12, 10).T, out_major=True)
+  w_DxHxE = jax.random.normal(jax.random.key(2), (12, 2, 5))
+  got = out_major.dense('btd,dhe->bthe', x, w_DxHxE.reshape(12, 10).T, out_major=True)
   assert got.shape == (1, rows, 10)
-  np.testing.assert_allclose(got.reshape(1, rows, 2, 5), out_major.dense('btd,dhe->bthe', x, w_IxHxE), atol=1e-5)
+  np.testing.assert_allclose(got.reshape(1, rows, 2, 5), out_major.dense('btd,dhe->bthe', x, w_DxHxE), atol=1e-5)
 
 
 def test_remat_gives_identical_outputs():

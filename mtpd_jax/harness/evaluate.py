@@ -94,8 +94,8 @@ def step_seconds(model: MTPTransformer, prompts, settings: dict[str, decode.Deco
   """
   layouts = {name: (out_major or {}).get(name) for name in settings}
   splits = {om: decode.split(model, om) for om in set(layouts.values())}
-  prompt_BxP, lens_B = decode.pad_prompts(prompts, pad_multiple)
-  states = {name: decode.jit_prefill(*splits[layouts[name]], prompt_BxP, lens_B, jax.random.key(0), opts)
+  prompt_BxT, lens_B = decode.pad_prompts(prompts, pad_multiple)
+  states = {name: decode.jit_prefill(*splits[layouts[name]], prompt_BxT, lens_B, jax.random.key(0), opts)
             for name, opts in settings.items()}
   best = {}
   for r in range(max(repeats, 1) + 1):

@@ -42,30 +42,35 @@ def paired_bootstrap(a, b, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -
   A resample that draws only prompts without a decoding step (a prompt that ends at once) has no
   rate and is left out of the percentiles; with no steps at all, every figure is nan.
   """
-  a_SxPx3, b_SxPx3 = (np.asarray(x, float).reshape((-1,) + np.shape(x)[-2:]) for x in (a, b))
-  s, p = a_SxPx3.shape[:2]
+  a_SeedsxPromptsx3, b_SeedsxPromptsx3 = (np.asarray(x, float).reshape((-1,) + np.shape(x)[-2:])
+                                          for x in (a, b))
+  s, p = a_SeedsxPromptsx3.shape[:2]
   rng = np.random.default_rng(seed)
-  idx_ZxSxP = rng.integers(0, p, size=(samples, s, p))
-  weight_ZxSxP = np.zeros((samples, s, p))
-  np.add.at(weight_ZxSxP, (np.arange(samples)[:, None, None], np.arange(s)[None, :, None], idx_ZxSxP), 1.0)
+  idx_DrawsxSeedsxPrompts = rng.integers(0, p, size=(samples, s, p))
+  weight_DrawsxSeedsxPrompts = np.zeros((samples, s, p))
+  np.add.at(weight_DrawsxSeedsxPrompts,
+            (np.arange(samples)[:, None, None], np.arange(s)[None, :, None], idx_DrawsxSeedsxPrompts), 1.0)
   if s > 1:
-    seeds_ZxS = rng.integers(0, s, size=(samples, s))
-    times_ZxS = np.zeros((samples, s))
-    np.add.at(times_ZxS, (np.arange(samples)[:, None], seeds_ZxS), 1.0)
-    weight_ZxSxP *= times_ZxS[..., None]
+    seeds_DrawsxSeeds = rng.integers(0, s, size=(samples, s))
+    times_DrawsxSeeds = np.zeros((samples, s))
+    np.add.at(times_DrawsxSeeds, (np.arange(samples)[:, None], seeds_DrawsxSeeds), 1.0)
+    weight_DrawsxSeedsxPrompts *= times_DrawsxSeeds[..., None]
 
   def rates(w, x):  # (AR1, tokens per forward) of seed-prompts weighted by w; nan without steps
-    sums = np.einsum('...sp,spc->...c', w, x)
+    sums = np.einsum('...sp,spc->...c', w, x)  # s: Seeds, p: Prompts, c: the 3 counts
     steps = np.where(sums[..., 0] > 0, sums[..., 0], np.nan)
     return sums[..., 1] / steps, 1.0 + sums[..., 2] / steps
-  full_a, full_b = rates(np.ones((s, p)), a_SxPx3), rates(np.ones((s, p)), b_SxPx3)
-  boot_a, boot_b = rates(weight_ZxSxP, a_SxPx3), rates(weight_ZxSxP, b_SxPx3)
-  seed_SxSxP = np.repeat(np.eye(s)[:, :, None], p, axis=2)  # row i weighs seed i's prompts alone
-  per_seed = rates(seed_SxSxP, a_SxPx3)[0] - rates(seed_SxSxP, b_SxPx3)[0]
+  full_a, full_b = (rates(np.ones((s, p)), x) for x in (a_SeedsxPromptsx3, b_SeedsxPromptsx3))
+  boot_a, boot_b = (rates(weight_DrawsxSeedsxPrompts, x) for x in (a_SeedsxPromptsx3, b_SeedsxPromptsx3))
+  # Row i weighs seed i's prompts alone.
+  seed_SeedsxSeedsxPrompts = np.repeat(np.eye(s)[:, :, None], p, axis=2)
+  per_seed = (rates(seed_SeedsxSeedsxPrompts, a_SeedsxPromptsx3)[0]
+              - rates(seed_SeedsxSeedsxPrompts, b_SeedsxPromptsx3)[0])
   out = {'prompts': p, 'seeds': s, 'ar1_per_seed': [float(x) for x in per_seed]}
   for i, key in enumerate(('ar1', 'tokens_per_forward')):
-    d_Z = boot_a[i] - boot_b[i]
-    lo, hi = np.percentile(d_Z[np.isfinite(d_Z)], [2.5, 97.5]) if np.isfinite(d_Z).any() else (np.nan, np.nan)
+    d_Draws = boot_a[i] - boot_b[i]
+    finite = d_Draws[np.isfinite(d_Draws)]
+    lo, hi = np.percentile(finite, [2.5, 97.5]) if finite.size else (np.nan, np.nan)
     out[key] = {'diff': float(full_a[i] - full_b[i]), 'lo': float(lo), 'hi': float(hi), 'verdict': _verdict(lo, hi)}
   return out
 
