@@ -133,12 +133,13 @@ def teacher_forced(model: MTPTransformer, prompts, continuations, draft_depth: i
     scored_BxT[b, :len(p) - 1] = True  # and these the prompt's own
   n = len(seqs)
   pad = lambda x_BxT: np.concatenate([x_BxT, np.zeros((-n % batch_size, x_BxT.shape[1]), x_BxT.dtype)])
-  rows_NxT, scored_NxT = pad(tokens_BxT), pad(scored_BxT)
+  padded_BxT, scored_padded_BxT = pad(tokens_BxT), pad(scored_BxT)
   structure, leaves = decode.split(model, out_major=False)
   main, drafts, totals = [], [], np.zeros(3)
-  for i in range(0, len(rows_NxT), batch_size):  # one shape, one compilation
+  for i in range(0, len(padded_BxT), batch_size):  # one shape, one compilation
     main_ids, draft_ids, xent, correct, count = _teacher_forced_batch(
-        structure, leaves, rows_NxT[i:i + batch_size], scored_NxT[i:i + batch_size], draft_depth)
+        structure, leaves, padded_BxT[i:i + batch_size], scored_padded_BxT[i:i + batch_size],
+        draft_depth)
     main.append(np.asarray(main_ids))
     drafts.append(np.asarray(draft_ids))
     totals += [float(xent), float(correct), float(count)]

@@ -206,10 +206,11 @@ def plot_acceptance(rows, path: str) -> None:
   width = 0.8 / max(len(rows), 1)
   fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 1.1 * depth + 0.25 * len(rows) + 3) + 2.5, 7), sharex=True)
   for ax, key, title in zip(axes, ('ar', 'car'), ('AR (conditional) %', 'CAR (cumulative) %')):
-    mean_RxK, spread_RxK = head_bars(rows, key)
+    mean_by_row, spread_by_row = head_bars(rows, key)
     for i, (label, _) in enumerate(rows):
       x = np.arange(1, depth + 1) + (i - (len(rows) - 1) / 2) * width
-      ax.bar(x, mean_RxK[i], width, yerr=spread_RxK[i] if spread_RxK[i].any() else None, capsize=2, label=label)
+      ax.bar(x, mean_by_row[i], width, yerr=spread_by_row[i] if spread_by_row[i].any() else None,
+             capsize=2, label=label)
     ax.set(title=title, ylim=(0, 100), xticks=range(1, depth + 1))
     ax.grid(alpha=0.3, axis='y')
   axes[1].set_xlabel('draft depth (head)')
