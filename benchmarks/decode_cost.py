@@ -140,7 +140,7 @@ def phases_ms(model: MTPTransformer, prompts, opts, repeats: int) -> dict:
   plan, j = opts.draft, opts.draft.depth
   prompt_BxT, lens_B = decode.pad_prompts(prompts, 16)
   st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxT, lens_B,
-                                                              jax.random.key(0), opts), opts, 4)
+                                                              jax.random.key(0), opts), opts, 4, False)
   vocab = lambda m: drafting.draft_vocab(m, plan.vocab) if plan.vocab else None
 
   @jax.jit

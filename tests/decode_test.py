@@ -232,7 +232,7 @@ def _drafted_ids(structure, leaves, prompts, opts, num_steps=MAX_NEW):
     nodes_BxNodes, done_B = map(np.asarray, (st.nodes_BxNodes, st.done_B))
     for nodes_Nodes, done in zip(nodes_BxNodes, done_B):
       ids.update([] if done else nodes_Nodes[1:].tolist())  # node 0 is the pending token
-    st = decode.jit_steps(structure, leaves, st, opts, 1)
+    st = decode.jit_steps(structure, leaves, st, opts, 1, False)
   return ids
 
 
@@ -316,7 +316,7 @@ def test_adaptive_depth_keeps_greedy_output_and_proposes_the_confident_prefix(mo
   prompt_BxT, lens_B = decode.pad_prompts(prompts)
   opts = decode.options(MAX_NEW, draft_depth=3, temperature=1.0, draft_min_prob=0.6)
   st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxT, lens_B,
-                                                              jax.random.key(0), opts), opts, 2)
+                                                              jax.random.key(0), opts), opts, 2, False)
   # A chain's drafts: its nodes past the root.
   top_BxJ = np.asarray(jnp.max(sampling.probs(st.draft_logits_BxNodesxV[:, 1:], 1.0), axis=-1))
   proposed_B = np.asarray(st.proposed_BxNodes[:, 1:]).sum(1)
@@ -354,8 +354,8 @@ def test_adaptive_depth_never_accepts_a_draft_it_did_not_propose(trained, temper
       assert (accepted_BxSteps[live_BxSteps] <= proposed_BxSteps[live_BxSteps]).all(), min_prob
       steps[min_prob] = proposed_BxSteps[live_BxSteps], accepted_BxSteps[live_BxSteps]
     else:
-      accepted_BxSteps = np.asarray(decode.jit_steps(structure, leaves, decode.jit_prefill(
-          structure, leaves, prompt_BxT, lens_B, jax.random.key(0), opts), opts, 8).accept_BxSteps[:, :8])
+      st = decode.jit_prefill(structure, leaves, prompt_BxT, lens_B, jax.random.key(0), opts)
+      accepted_BxSteps = np.asarray(decode.jit_steps(structure, leaves, st, opts, 8, False).accept_BxSteps[:, :8])
       steps[min_prob] = None, accepted_BxSteps[accepted_BxSteps >= 0]
   assert (steps[1.0][0] == 0).all() and (steps[1.0][1] == 0).all()
   assert steps[0.0][1].sum() > 0  # the heads' drafts do match: without the rule some would count
@@ -475,7 +475,7 @@ def test_tree_caches_hold_exactly_the_committed_tokens_states(trained):
   prompt_BxT, lens_B = decode.pad_prompts(_prompts(), 16)
   opts = decode.options(MAX_NEW, draft_depth=3, tree=(3, 1, 2))
   st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxT, lens_B,
-                                                              jax.random.key(0), opts), opts, 4)
+                                                              jax.random.key(0), opts), opts, 4, False)
   tokens_BxS, length_B = np.asarray(st.tokens_BxS), np.asarray(st.length_B)
   # one row per sequence, holding the root and the 3 + 3 + 6 drafts
   assert st.nodes_BxNodes.shape == (len(lens_B), 13) and st.h0_BxSxD.shape[0] == len(lens_B)
@@ -500,7 +500,7 @@ def test_the_tree_pass_gives_each_path_what_a_chain_verify_of_its_drafts_gives(m
   prompt_BxT, lens_B = decode.pad_prompts(_prompts(), 16)
   opts = decode.options(MAX_NEW, draft_depth=len(tree), tree=tree)
   st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxT, lens_B,
-                                                              jax.random.key(0), opts), opts, 2)
+                                                              jax.random.key(0), opts), opts, 2, False)
   h_BxNodesxD, logits_BxNodesxV, _ = drafting.verify_pass(model, st.nodes_BxNodes, st.length_B,
                                                           st.caches, opts.draft)
   nodes_PathsxJ1 = drafting.path_nodes(tree)

@@ -135,3 +135,15 @@ def test_the_trunk_signature_is_the_shape_without_the_heads():
   assert sign(CFG) == sign(dataclasses.replace(CFG, num_mtp_heads=CFG.num_mtp_heads + 3))
   assert sign(CFG) != sign(dataclasses.replace(CFG, num_layers=CFG.num_layers + 1))
   assert sign(CFG) != sign(dataclasses.replace(CFG, dtype='bfloat16'))
+
+
+def test_generation_and_the_timed_step_loops_compile_one_step_program_per_setting():
+  """An evaluation decodes each setting (`timed_decode`) and times its steps (`step_seconds`) with
+  the same two programs, `jit_prefill` and `jit_steps`: the step loop compiles once, not twice."""
+  model = MTPTransformer(CFG, rngs=nnx.Rngs(4))
+  prompts = [np.arange(1, 6), np.arange(2, 9)]
+  settings = {'plain': decode.options(max_new_tokens=5), 'spec': decode.options(max_new_tokens=5, draft_depth=2)}
+  before = decode.jit_steps._cache_size(), decode.jit_prefill._cache_size()
+  evaluate.timed_decode(model, prompts, settings, batch_size=2, repeats=1)
+  evaluate.step_seconds(model, prompts, settings, num_steps=4, repeats=1)
+  assert (decode.jit_steps._cache_size(), decode.jit_prefill._cache_size()) == (before[0] + 2, before[1] + 2)

@@ -102,7 +102,7 @@ def step_seconds(model: MTPTransformer, prompts, settings: dict[str, decode.Deco
     for name, opts in settings.items():
       for n in (8, 8 + num_steps) if r else (8,):  # round 0 compiles (one program for any count)
         start = time.perf_counter()
-        jax.block_until_ready(decode.jit_steps(*splits[layouts[name]], states[name], opts, n))
+        jax.block_until_ready(decode.jit_steps(*splits[layouts[name]], states[name], opts, n, False))
         if r:
           best[name, n] = min(best.get((name, n), math.inf), time.perf_counter() - start)
   return {name: max(best[name, 8 + num_steps] - best[name, 8], 1e-9) / num_steps for name in settings}
