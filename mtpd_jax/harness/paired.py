@@ -6,7 +6,6 @@ report (report.py) prints them; docs/design.md ("Metrics") says why they pair.
 """
 
 import numpy as np
-import scipy.stats
 
 
 def set_mean(ev: dict, fn):
@@ -82,11 +81,15 @@ def _verdict(lo: float, hi: float) -> str:
 def seed_interval(diffs) -> dict | None:
   """The mean of per-seed paired differences and its 95% t-interval over the seeds (None below two):
   for what is measured once per seed, such as the main head's held-out accuracy."""
-  d_S = np.asarray([x for x in diffs if x is not None and np.isfinite(x)], float)
-  if len(d_S) < 2:
+  import scipy.stats  # here, not at the top: a run that computes no interval skips its import
+  d_Seeds = np.asarray([x for x in diffs if x is not None and np.isfinite(x)], float)
+  n = len(d_Seeds)
+  if n < 2:
     return None
-  mean, half = float(d_S.mean()), float(scipy.stats.t.ppf(0.975, len(d_S) - 1) * d_S.std(ddof=1) / np.sqrt(len(d_S)))
-  return {'diff': mean, 'lo': mean - half, 'hi': mean + half, 'seeds': len(d_S), 'verdict': _verdict(mean - half, mean + half)}
+  mean = float(d_Seeds.mean())
+  half = float(scipy.stats.t.ppf(0.975, n - 1) * d_Seeds.std(ddof=1) / np.sqrt(n))
+  return {'diff': mean, 'lo': mean - half, 'hi': mean + half, 'seeds': n,
+          'verdict': _verdict(mean - half, mean + half)}
 
 
 def _main_head(pairs) -> dict:
