@@ -33,7 +33,7 @@ from absl import flags
 from flax import nnx
 
 from benchmarks import common
-from mtpd_jax import decode, drafting
+from mtpd_jax import decode, drafting, verify
 from mtpd_jax.harness import cli, evaluate, gguf_llama
 from mtpd_jax.model import ModelConfig, MTPTransformer, cache_mask, init_cache
 
@@ -144,15 +144,15 @@ def phases_ms(model: MTPTransformer, prompts, opts, repeats: int) -> dict:
   vocab = lambda m: drafting.draft_vocab(m, plan.vocab) if plan.vocab else None
 
   @jax.jit
-  def verify(leaves, st):
-    return drafting.verify_pass(decode.decoding_model(structure, leaves), st.nodes_BxNodes, st.length_B,
-                                st.caches, plan)
+  def verify_nodes(leaves, st):
+    model = decode.decoding_model(structure, leaves)
+    return verify.verify_pass(model, st.nodes_BxNodes, st.length_B, st.caches, plan)
 
   @jax.jit
   def accept(st, verified):
     _, logits, caches = verified
-    path, a, nxt = drafting.accept(jax.random.key(0), st.nodes_BxNodes, None, logits, plan, 0.0)
-    return path, a, nxt, drafting.keep_path(caches, st.length_B, path, plan)
+    path, a, nxt = verify.accept(jax.random.key(0), st.nodes_BxNodes, None, logits, plan, 0.0)
+    return path, a, nxt, verify.keep_path(caches, st.length_B, path, plan)
 
   @jax.jit
   def draft(leaves, st):
@@ -162,8 +162,8 @@ def phases_ms(model: MTPTransformer, prompts, opts, repeats: int) -> dict:
                           jax.random.key(0), vocab(m), 0.0, 1.0)
   step = jax.jit(lambda leaves, st: decode.step(decode.decoding_model(structure, leaves), st, opts,
                                                 vocab(decode.decoding_model(structure, leaves))))
-  out = {'verify': _best_ms(verify, leaves, st, repeats=repeats),
-         'accept': _best_ms(accept, st, verify(leaves, st), repeats=repeats),
+  out = {'verify': _best_ms(verify_nodes, leaves, st, repeats=repeats),
+         'accept': _best_ms(accept, st, verify_nodes(leaves, st), repeats=repeats),
          'draft': _best_ms(draft, leaves, st, repeats=repeats), 'step': _best_ms(step, leaves, st, repeats=repeats)}
   out['commit'] = out['step'] - out['verify'] - out['accept'] - out['draft']
   return out

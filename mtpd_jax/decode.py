@@ -13,7 +13,7 @@ Plain step: trunk(token L) -> main logits at L -> the next token is committed at
 Speculative step (docs/design.md, "Metrics"), verify first then draft, so prefill ends with a draft pass too:
   1. Verify: one trunk call over the drafted nodes (the pending token, then the drafts: a chain's
      d_1..d_J at positions L..L+J, a tree's every node) gives the main logits after each.
-     `drafting.accept` accepts the longest prefix d_1..d_a of a path (greedy: equal to the main
+     `verify.accept` accepts the longest prefix d_1..d_a of a path (greedy: equal to the main
      argmax; sampling: the lossless min(1, p/q) rule) and picks the next token (main argmax /
      residual sample / bonus). d_1..d_a and that token are committed (a+1 tokens per trunk call).
      Rejected positions roll back for free: the length does not advance over them, and the next
@@ -43,7 +43,7 @@ and the logits of a depth where no sequence of the batch still drafts are skippe
 Tree drafts (`DraftPlan.tree`; mtpd_jax/drafting.py): depth j runs once per node of depth j-1, on
 that node's own earlier drafts, and one tree attention pass verifies every node. The state holds
 one row per sequence plus the nodes (a chain is the tree (1, ..., 1)); paths exist only as index
-tables, and the committed path's nodes are copied into place (`drafting.keep_path`).
+tables, and the committed path's nodes are copied into place (`verify.keep_path`).
 
 Context drafts (`DraftPlan.source`; `lookup.context_drafts`): prompt lookup copies what followed
 the sequence's last n-gram earlier on; 'context' verifies that chain alone (no head runs, no MTP
@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtpd_jax import drafting, sampling
+from mtpd_jax import drafting, sampling, verify
 from mtpd_jax.drafting import DraftPlan
 from mtpd_jax.model import Cache, ModelConfig, MTPTransformer, attention_mask, cache_mask, init_cache
 from mtpd_jax.out_major import out_major_params, set_out_major
@@ -201,12 +201,12 @@ def step(model: MTPTransformer, st: DecodeState, opts: DecodeOptions,
   pos_BxJ1 = (st.length_B - 1)[:, None] + jnp.arange(j + 1)  # the pending token, then the committed path
   key, key_verify, key_draft = jax.random.split(st.key, 3)
   if j:  # one pass over the nodes (a chain's are its drafts); the sequence commits one path
-    h_BxNodesxD, logits_BxNodesxV, caches = drafting.verify_pass(
+    h_BxNodesxD, logits_BxNodesxV, caches = verify.verify_pass(
         model, st.nodes_BxNodes, st.length_B, st.caches, plan)
-    path_B, accepted_B, next_B = drafting.accept(
+    path_B, accepted_B, next_B = verify.accept(
         key_verify, st.nodes_BxNodes, st.draft_logits_BxNodesxV, logits_BxNodesxV, plan,
         opts.temperature, opts.top_p, st.proposed_BxNodes)
-    caches = drafting.keep_path(caches, st.length_B, path_B, plan)
+    caches = verify.keep_path(caches, st.length_B, path_B, plan)
     on_path_BxJ1 = jnp.asarray(drafting.tree_of(plan).path_nodes)[path_B]
     tokens_BxJ1 = jnp.take_along_axis(st.nodes_BxNodes, on_path_BxJ1, axis=1)
   else:

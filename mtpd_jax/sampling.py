@@ -1,5 +1,5 @@
 """Token choice from logits: the temperature/top-p transform, sampling, and the speculative-sampling
-test and residual that `drafting.accept` verifies drafts with.
+test and residual that `verify.accept` verifies drafts with.
 
 Pure array functions shared by plain and speculative decoding, so both draw from exactly the same
 distribution. `temperature == 0` means greedy (argmax, first index on ties); it is a Python float,

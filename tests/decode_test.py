@@ -12,7 +12,7 @@ import scipy.stats
 from flax import nnx
 
 from benchmarks import tiny_heads
-from mtpd_jax import decode, drafting, metrics, sampling
+from mtpd_jax import decode, drafting, metrics, sampling, verify
 from mtpd_jax.harness import evaluate
 from mtpd_jax.model import ModelConfig, MTPTransformer, cache_mask
 from mtpd_jax.shifts import write_at
@@ -393,7 +393,7 @@ def _no_residual(p_BxV, q_BxV):  # a broken rule: every sibling is tested agains
     ((2, 1), dict(draft_min_prob=0.4, draft_vocab=np.array([0, 2, 3, 5, 6])), False)])
 def test_sampled_tree_is_lossless_and_catches_siblings_tested_without_the_residual(
     sampling_setup, tree, kwargs, broken, monkeypatch):
-  """Recursive rejection sampling over siblings (`drafting.accept`) keeps plain sampling's law,
+  """Recursive rejection sampling over siblings (`verify.accept`) keeps plain sampling's law,
   with adaptive depth and a draft vocabulary too; testing each sibling against the full p instead
   of the residual that its elder siblings' rejections leave biases the output, and the test sees it."""
   model, prompt, law = sampling_setup
@@ -501,7 +501,7 @@ def test_the_tree_pass_gives_each_path_what_a_chain_verify_of_its_drafts_gives(m
   opts = decode.options(MAX_NEW, draft_depth=len(tree), tree=tree)
   st = decode.jit_steps(structure, leaves, decode.jit_prefill(structure, leaves, prompt_BxT, lens_B,
                                                               jax.random.key(0), opts), opts, 2, False)
-  h_BxNodesxD, logits_BxNodesxV, _ = drafting.verify_pass(model, st.nodes_BxNodes, st.length_B,
+  h_BxNodesxD, logits_BxNodesxV, _ = verify.verify_pass(model, st.nodes_BxNodes, st.length_B,
                                                           st.caches, opts.draft)
   nodes_PathsxJ1 = drafting.path_nodes(tree)
   # The paths do differ.
