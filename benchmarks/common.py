@@ -26,7 +26,7 @@ RESULTS_DIR = os.path.join(os.path.dirname(__file__), 'results')
 TOP_N_FRACTION = 10_000 / 122_880  # the paper's N / V (≈ 8.1%)
 
 
-def get_config(name: str, *, num_heads: int, distill: bool = True, batch_size: int | None = None,
+def get_config(name: str, *, num_mtp_heads: int, distill: bool = True, batch_size: int | None = None,
                seq_len: int | None = None):
   """'tiny' (configs/tiny.py) or 'v32k' (d=512, 6 layers, vocab 32,000, T=1024, B=2)."""
   if name == 'tiny':
@@ -43,8 +43,8 @@ def get_config(name: str, *, num_heads: int, distill: bool = True, batch_size: i
   if seq_len:
     c.data.seq_len = seq_len
     c.model.max_seq_len = max(c.model.max_seq_len, seq_len)
-  c.mtp.num_heads = num_heads
-  c.distill.enabled = distill and num_heads > 0
+  c.model.num_mtp_heads = num_mtp_heads
+  c.distill.enabled = distill and num_mtp_heads > 0
   c.distill.top_n = max(1, round(TOP_N_FRACTION * c.model.vocab_size))
   c.mesh.shape = (1, 1, 1)
   return c

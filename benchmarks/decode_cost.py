@@ -44,7 +44,7 @@ TINY = ModelConfig(vocab_size=256, dim=64, num_layers=4, num_heads=4, num_kv_hea
 FLAGS = flags.FlagValues()  # this benchmark's own flags: names may repeat across benchmarks
 flags.DEFINE_string('model', 'smollm2',
                     "'smollm2', a llama .gguf path, or 'tiny' (a quick check)", flag_values=FLAGS)
-flags.DEFINE_integer('num_heads', 4, 'K random MTP heads (depths above K loop them)', flag_values=FLAGS)
+flags.DEFINE_integer('num_mtp_heads', 4, 'K random MTP heads (depths above K loop them)', flag_values=FLAGS)
 flags.DEFINE_string('batch_sizes', '1,8', 'sequences decoded together, a list', flag_values=FLAGS)
 flags.DEFINE_string('depths', '0,1,2,4,8', 'draft depths J; 0 = plain (always timed)', flag_values=FLAGS)
 flags.DEFINE_integer('prompt_len', 64, 'prompt tokens (the cache holds these + new)', flag_values=FLAGS)
@@ -196,7 +196,7 @@ def main(args: types.SimpleNamespace) -> dict:
   if args.model == 'tiny':
     model = MTPTransformer(TINY, rngs=nnx.Rngs(0))
   else:
-    model = gguf_llama.load_model(args.model, num_mtp_heads=args.num_heads)
+    model = gguf_llama.load_model(args.model, num_mtp_heads=args.num_mtp_heads)
   cfg = model.cfg
   depths = sorted({0, *map(int, args.depths.split(','))})
   results = {'model': args.model, 'batches': {}}

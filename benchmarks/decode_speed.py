@@ -12,7 +12,7 @@ mod V-1, EOS between documents) with CE losses on the main head and every MTP he
 heads accept; a random model would accept ~0. Prompts are the openings of held-out records.
 Depth 4 uses each head once, depth 8 loops them (training-free, MTP-D* of Table 8).
 
---model=smollm2 (or a llama .gguf path): the checkpoint with K=--num_heads heads, restored from a
+--model=smollm2 (or a llama .gguf path): the checkpoint with K=--num_mtp_heads heads, restored from a
 training workdir of this project (--workdir: its trunk and trained heads), or else trained here
 briefly with the trunk frozen: Adam on the heads only, CE of head k (position i -> token i+k+1)
 over --train_steps batches of the embedded corpus in the checkpoint's tokenizer. Such heads are
@@ -109,7 +109,7 @@ def _gguf_setup(args):
                              f'its {len(ids)} head-vocabulary ids and draft among those; leave --draft_vocab out')
       info['head_vocab_ids'] = ids
   else:
-    model = gguf_llama.load_model(args.model, num_mtp_heads=args.num_heads, seed=args.seed)
+    model = gguf_llama.load_model(args.model, num_mtp_heads=args.num_mtp_heads, seed=args.seed)
     info['load_s'] = time.perf_counter() - start
     src = data.PackedTokens(embedded().train_tokens_path, args.train_seq, embedded().eos_id, model.cfg.vocab_size)
     order = np.random.default_rng(args.seed).permutation(len(src))
@@ -133,7 +133,7 @@ FLAGS = flags.FlagValues()  # this benchmark's own flags: names may repeat acros
 flags.DEFINE_string('model', 'tiny', "'tiny', 'smollm2' or a llama .gguf path", flag_values=FLAGS)
 flags.DEFINE_string('workdir', '',
                     'GGUF: a training workdir whose trunk and heads are restored', flag_values=FLAGS)
-flags.DEFINE_integer('num_heads', 4,
+flags.DEFINE_integer('num_mtp_heads', 4,
                      'GGUF: K heads trained here (a --workdir brings its own)', flag_values=FLAGS)
 flags.DEFINE_integer('train_steps', None,
                      'Adam steps (tiny: 300 on the synthetic stream, GGUF: 60)', flag_values=FLAGS)
@@ -277,7 +277,7 @@ def main(args: types.SimpleNamespace) -> dict:
   info['draft_vocab_source'] = 'the workdir\'s head vocabulary' if head_ids is not None else 'the training text'
   depths = args.depths or [model.cfg.num_mtp_heads]
   batch_sizes = args.batch_sizes
-  results = {'model': args.model, 'num_heads': model.cfg.num_mtp_heads, **info, 'args': vars(args),
+  results = {'model': args.model, 'num_mtp_heads': model.cfg.num_mtp_heads, **info, 'args': vars(args),
              'model_config': dataclasses.asdict(model.cfg), 'sets': {}, 'complete': False}
   settings, chains, trees = fixed_settings(args, depths, vocabs, stop)
   for name, prompts in sets.items():

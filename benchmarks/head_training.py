@@ -107,8 +107,8 @@ def online_acceptance(config, workdir: str) -> dict:
   ids = ids if ids is not None else recipe.frequent_training_tokens(saved, 4096)
   tok = recipe.embedded_data(config).tokenizer()
   out = decode.generate(model, calibration_prompts(config), max_new_tokens=config.eval.max_new_tokens,
-                        draft_depth=config.mtp.num_heads, stop_tokens=tok.stop_ids, draft_vocab=ids)
-  return metrics.acceptance_stats(np.concatenate(out.accept_lengths), config.mtp.num_heads)
+                        draft_depth=config.model.num_mtp_heads, stop_tokens=tok.stop_ids, draft_vocab=ids)
+  return metrics.acceptance_stats(np.concatenate(out.accept_lengths), config.model.num_mtp_heads)
 
 
 def run_variant(name: str, args, fixed: dict) -> dict:

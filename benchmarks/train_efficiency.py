@@ -43,7 +43,7 @@ def parse_args(argv=None) -> types.SimpleNamespace:
 
 def model_flops(config) -> float:
   """Analytic FLOPs of one train step (forward + backward) of the MTP transformer."""
-  m, k = config.model, config.mtp.num_heads
+  m, k = config.model, config.model.num_mtp_heads
   d, h, g, e, f, v = m.dim, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, m.vocab_size
   b, t = config.data.batch_size, config.data.seq_len
   block = d * h * e + 2 * d * g * e + h * e * d + 3 * d * f   # matmul weights of one block
@@ -53,7 +53,7 @@ def model_flops(config) -> float:
 
 
 def main(args: types.SimpleNamespace) -> dict:
-  config = common.get_config(args.config, num_heads=args.heads, distill=bool(args.distill),
+  config = common.get_config(args.config, num_mtp_heads=args.heads, distill=bool(args.distill),
                              batch_size=args.batch_size, seq_len=args.seq_len)
   ceiling_before = common.matmul_flops_per_s(args.matmul_n)
   mesh = common.one_device_mesh()

@@ -35,11 +35,11 @@ def parse_args(argv=None) -> types.SimpleNamespace:
   return common.parse_flags(FLAGS, argv, __doc__)
 
 
-def step_memory(name: str, num_heads: int, batch_size: int, seq_len: int, fused_chunk_rows: int = 0,
+def step_memory(name: str, num_mtp_heads: int, batch_size: int, seq_len: int, fused_chunk_rows: int = 0,
                 remat: bool = False) -> dict:
   """Byte counts of XLA's memory analysis of one compiled train step."""
   mesh = common.one_device_mesh()
-  config = common.get_config(name, num_heads=num_heads, batch_size=batch_size, seq_len=seq_len)
+  config = common.get_config(name, num_mtp_heads=num_mtp_heads, batch_size=batch_size, seq_len=seq_len)
   config.model.remat = remat
   with jax.set_mesh(mesh):
     m = common.Step(config, mesh, init=False, fused_chunk_rows=fused_chunk_rows).compiled().memory_analysis()

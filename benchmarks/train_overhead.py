@@ -42,11 +42,11 @@ def parse_args(argv=None) -> types.SimpleNamespace:
   return common.parse_flags(FLAGS, argv, __doc__)
 
 
-def measure(name: str, num_heads: int, selections: list[str], reps: int, batch_size: int, seq_len: int,
+def measure(name: str, num_mtp_heads: int, selections: list[str], reps: int, batch_size: int, seq_len: int,
             fused_chunk_rows: int) -> dict:
   """Step seconds of MTP and of MTP-D per selection (and fused), and their median ratios."""
   mesh = common.one_device_mesh()
-  kw = dict(num_heads=num_heads, batch_size=batch_size if name == 'v32k' else None, seq_len=seq_len or None)
+  kw = dict(num_mtp_heads=num_mtp_heads, batch_size=batch_size if name == 'v32k' else None, seq_len=seq_len or None)
   with jax.set_mesh(mesh):
     steps = {'mtp': common.Step(common.get_config(name, distill=False, **kw), mesh)}
     for sel in selections:

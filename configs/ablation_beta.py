@@ -4,7 +4,7 @@ from configs import paper
 
 
 def get_config(arg: str = ''):
-  return paper.get_config(arg, num_heads=4)
+  return paper.get_config(arg, num_mtp_heads=4)
 
 
 DEFAULT = 'beta = 0.5 (default)'  # the reference of the other β's paired differences (MTP is the default's)

@@ -20,9 +20,9 @@ def get_sweep():
   for k in (1, 4):  # paired differences: KL against MTP, TV and JS against KL, at the same K
     mtp, kl = f'MTP, K={k}', f'MTP-D (KL), K={k}'
     rows += [
-        {'label': mtp, 'mtp.num_heads': k, 'distill.enabled': False, 'reference': mtp},  # none
-        {'label': kl, 'mtp.num_heads': k, 'distill.divergence': 'kl', 'reference': mtp},
-        {'label': f'TV, K={k}', 'mtp.num_heads': k, 'distill.divergence': 'tv', 'reference': kl},
-        {'label': f'JS, K={k}', 'mtp.num_heads': k, 'distill.divergence': 'js', 'reference': kl},
+        {'label': mtp, 'model.num_mtp_heads': k, 'distill.enabled': False, 'reference': mtp},  # none
+        {'label': kl, 'model.num_mtp_heads': k, 'distill.divergence': 'kl', 'reference': mtp},
+        {'label': f'TV, K={k}', 'model.num_mtp_heads': k, 'distill.divergence': 'tv', 'reference': kl},
+        {'label': f'JS, K={k}', 'model.num_mtp_heads': k, 'distill.divergence': 'js', 'reference': kl},
     ]
   return rows

@@ -5,7 +5,7 @@ from configs import paper
 
 
 def get_config(arg: str = ''):
-  return paper.get_config(arg, num_heads=4)
+  return paper.get_config(arg, num_mtp_heads=4)
 
 
 def get_sweep():

@@ -4,7 +4,7 @@ from configs import paper
 
 
 def get_config(arg: str = ''):
-  return paper.get_config(arg, num_heads=1)
+  return paper.get_config(arg, num_mtp_heads=1)
 
 
 def get_sweep():

@@ -4,7 +4,7 @@ from configs import paper
 
 
 def get_config(arg: str = ''):
-  c = paper.get_config(arg, num_heads=4)
+  c = paper.get_config(arg, num_mtp_heads=4)
   c.distill.beta = 0.5
   return c
 

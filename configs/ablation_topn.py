@@ -10,7 +10,7 @@ DEFAULT = 'Top N = 667 (8.1% V, default)'  # the reference of the other sizes' p
 
 
 def get_config(arg: str = ''):
-  return paper.get_config(arg, num_heads=1)
+  return paper.get_config(arg, num_mtp_heads=1)
 
 
 def get_sweep():

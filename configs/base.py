@@ -18,6 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.vocab_size = 8192       # V, rows of the embedding and columns of the unembedding
   c.model.dim = 256               # D, the residual width
   c.model.num_layers = 4          # trunk blocks (each MTP head adds one more block)
+  c.model.num_mtp_heads = 1       # K, DeepSeek-V3-style sequential MTP heads; 0 = plain LM
   c.model.num_heads = 4           # H, attention query heads
   c.model.num_kv_heads = 2        # grouped-query attention, G kv heads (Table 3: 4 of 16 or 32)
   c.model.head_dim = 64           # E, width of one attention head (Table 3: 128)
@@ -45,8 +46,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.moe.aux_loss_weight = 0.01  # Switch-style load-balancing loss weight (0 = off)
   c.model.moe.bias_update_rate = 0.0  # DeepSeek-V3 aux-loss-free balancing: per-step bias step (0 = off)
 
-  c.mtp = ml_collections.ConfigDict()  # the multi-token-prediction heads (docs/design.md, "Data flow")
-  c.mtp.num_heads = 1             # K, DeepSeek-V3-style sequential MTP heads; 0 = plain LM
+  c.mtp = ml_collections.ConfigDict()  # how the model.num_mtp_heads heads train (design.md, "Data flow")
   c.mtp.ce_weight = 0.3           # λ; each head's CE weight is α_k = λ/K  (docs/design.md, "Choices where the paper is silent")
   c.mtp.isolate_trunk = False     # stop the MTP losses' gradient into the trunk's hidden state
   # U > 0: the heads' output layer is the U most frequent training tokens (the only ids a draft can

@@ -11,7 +11,7 @@ from configs import paper
 
 
 def get_config(arg: str = ''):
-  c = paper.get_config(arg, num_heads=1)
+  c = paper.get_config(arg, num_mtp_heads=1)
   c.looped.stage_steps = c.train.steps // 2
   return c
 
@@ -21,7 +21,7 @@ def get_sweep():
   return [
       {'label': 'MTP, K=1 (baseline)', 'distill.enabled': False},
       {'label': 'MTP-D, K=1', 'distill.enabled': True},
-      {'label': 'MTP-D, K=4', 'mtp.num_heads': 4},
+      {'label': 'MTP-D, K=4', 'model.num_mtp_heads': 4},
       {'label': 'MTP*, 1 to 8 (training-free)', 'distill.enabled': False, 'eval.draft_depth': 8},
       # Paired against its control, so the report's interval measures finding (iv) directly.
       {'label': 'MTP-D*, 1 to 8 (training-free)', 'eval.draft_depth': 8,

@@ -10,14 +10,14 @@ from configs import paper
 
 
 def get_config(arg: str = ''):
-  c = paper.get_config(arg, num_heads=4)
+  c = paper.get_config(arg, num_mtp_heads=4)
   c.looped.stage_steps = c.train.steps // 2
   return c
 
 
 def get_sweep():
   return [
-      {'label': 'MTP, K=1 (baseline)', 'mtp.num_heads': 1, 'distill.enabled': False},
+      {'label': 'MTP, K=1 (baseline)', 'model.num_mtp_heads': 1, 'distill.enabled': False},
       {'label': 'MTP-D, K=4'},
       {'label': 'MTP-D*, 4 to 16 (training-free)', 'eval.draft_depth': 16},
       {'label': 'MTP-D, 4 to 8 (trained)', 'looped.schedule': (4, 8)},

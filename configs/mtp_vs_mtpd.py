@@ -18,11 +18,11 @@ def get_config(arg: str = ''):
 
 def get_sweep():
   return [
-      {'label': 'MTP, K=1', 'mtp.num_heads': 1, 'distill.enabled': False},
-      {'label': 'MTP-D, K=1', 'mtp.num_heads': 1, 'distill.enabled': True},
-      {'label': 'MTP, K=4', 'mtp.num_heads': 4, 'distill.enabled': False},
-      {'label': 'MTP-D, K=4', 'mtp.num_heads': 4, 'distill.enabled': True, 'reference': 'MTP, K=4'},
-      {'label': 'MTP, K=1, MoE', 'mtp.num_heads': 1, 'distill.enabled': False, **MOE},
-      {'label': 'MTP-D, K=1, MoE', 'mtp.num_heads': 1, 'distill.enabled': True, **MOE,
+      {'label': 'MTP, K=1', 'model.num_mtp_heads': 1, 'distill.enabled': False},
+      {'label': 'MTP-D, K=1', 'model.num_mtp_heads': 1, 'distill.enabled': True},
+      {'label': 'MTP, K=4', 'model.num_mtp_heads': 4, 'distill.enabled': False},
+      {'label': 'MTP-D, K=4', 'model.num_mtp_heads': 4, 'distill.enabled': True, 'reference': 'MTP, K=4'},
+      {'label': 'MTP, K=1, MoE', 'model.num_mtp_heads': 1, 'distill.enabled': False, **MOE},
+      {'label': 'MTP-D, K=1, MoE', 'model.num_mtp_heads': 1, 'distill.enabled': True, **MOE,
        'reference': 'MTP, K=1, MoE'},
   ]

@@ -11,9 +11,9 @@ speculative decoding on held-out chat, code and math prompts. Sized for two CPU 
 from configs import base
 
 
-def get_config(arg: str = '', *, num_heads: int = 1):
+def get_config(arg: str = '', *, num_mtp_heads: int = 1):
   c = base.get_config()
-  c.mtp.num_heads = num_heads
+  c.model.num_mtp_heads = num_mtp_heads
   c.data.source = 'embedded'
   c.model.update(dict(dim=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=384,
                       max_seq_len=512))

@@ -15,7 +15,7 @@ from configs import smollm2_mtpd
 
 
 def get_config(arg: str = ''):
-  c = smollm2_mtpd.get_config(arg, num_heads=1)
+  c = smollm2_mtpd.get_config(arg, num_mtp_heads=1)
   c.looped.stage_steps = c.train.steps // 2
   if arg == 'cpu':
     c.train.steps, c.looped.stage_steps = 200, 50

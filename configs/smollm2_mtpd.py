@@ -30,11 +30,11 @@ SMOLLM2 = dict(vocab_size=49_152, dim=576, num_layers=30, num_heads=9, num_kv_he
 JOINT_LR = 1e-4  # one rate for trunk and fresh heads: small for the trunk, slow for the heads
 
 
-def get_config(arg: str = '', *, num_heads: int = 4):
+def get_config(arg: str = '', *, num_mtp_heads: int = 4):
   c = base.get_config()
   c.model.update(SMOLLM2)
   c.model.max_seq_len = 2048
-  c.mtp.num_heads = num_heads
+  c.model.num_mtp_heads = num_mtp_heads
   c.train.init_from = 'smollm2'
   c.train.trainable = 'mtp_heads'
   c.distill.top_n = 4000          # ≈ 8.1% of V, as the paper's 10,000 of 122,880
@@ -56,7 +56,7 @@ def get_config(arg: str = '', *, num_heads: int = 4):
     c.eval.batch_size = 4
     c.eval.repeats, c.eval.timing_steps, c.eval.timing_repeats = 1, 16, 1
   elif arg == 'cpu':
-    c.mtp.num_heads = min(num_heads, 2)
+    c.model.num_mtp_heads = min(num_mtp_heads, 2)
     # Heads over the 4,096 most frequent training tokens, the only ones a draft can be, with the
     # frozen main head's teacher cached beside the trunk states: a step costs a fifth of one over
     # all 49,152 ids (benchmarks/results/head_training.json), so the recipe spends the time on tokens.

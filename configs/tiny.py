@@ -13,7 +13,7 @@ def get_config():
   c.model.head_dim = 16
   c.model.mlp_dim = 192
   c.model.max_seq_len = 128
-  c.mtp.num_heads = 4
+  c.model.num_mtp_heads = 4
   c.distill.top_n = 21            # ≈ 8.1% of V, as the paper's 10,000 of 122,880
   c.data.seq_len = 64
   c.data.batch_size = 8

@@ -38,7 +38,7 @@ def check_inputs(workdir: str, draft_depth: int) -> None:
     config = training.saved_config(workdir, base.get_config())
   except json.JSONDecodeError as e:
     raise cli.InputError(f'{os.path.join(workdir, train.CONFIG_JSON)}:{e.lineno}: not valid JSON ({e.msg})') from None
-  heads = config.mtp.num_heads
+  heads = config.model.num_mtp_heads
   if draft_depth and not heads:
     raise cli.InputError(f'--draft_depth={draft_depth}: the model of {workdir} has no MTP heads to draft with')
   validation.validate_config(config, mesh=False)  # evaluation builds its own mesh

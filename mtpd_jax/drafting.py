@@ -103,9 +103,9 @@ def vocab_ids(ids) -> tuple[int, ...]:
   return tuple(ids.tolist())
 
 
-def head_for_depth(j: int, num_heads: int) -> int:
+def head_for_depth(j: int, num_mtp_heads: int) -> int:
   """The MTP head (1-based) that drafts at depth j: ((j-1) mod K)+1."""
-  return (j - 1) % num_heads + 1
+  return (j - 1) % num_mtp_heads + 1
 
 
 class DraftVocab(NamedTuple):

@@ -166,27 +166,29 @@ def mtp_d_loss_fused(hidden_K1xBxTxD, w_DxV, targets_BxT, segment_ids_BxT, targe
     raise ValueError('the fused loss supports teacher=main, detach=True, selection=threshold; got '
                      f'teacher={cfg.teacher!r}, detach={cfg.detach}, selection={cfg.selection!r}: '
                      'set train.loss_chunk_rows=0 for the loss on full logits')
-  num_heads = hidden_K1xBxTxD.shape[0] - 1
-  cfg.check_heads(num_heads)
+  num_mtp_heads = hidden_K1xBxTxD.shape[0] - 1
+  cfg.check_heads(num_mtp_heads)
   b, t, d = hidden_K1xBxTxD.shape[1:]
   # Row j of predictor k: head k at position j-k, which predicts targets[j] like the main head at j.
-  x_K1xBxTxD = jnp.stack([shift_right(hidden_K1xBxTxD[k], k) for k in range(num_heads + 1)])
+  predictors = range(num_mtp_heads + 1)
+  x_K1xBxTxD = jnp.stack([shift_right(hidden_K1xBxTxD[k], k) for k in predictors])
   mask_K1xBxT = jnp.stack([shift_right(losses.target_mask(segment_ids_BxT, target_segment_ids_BxT, k), k,
-                                        fill=False) for k in range(num_heads + 1)]).astype(jnp.float32)
+                                        fill=False) for k in predictors]).astype(jnp.float32)
   count_K1 = jnp.maximum(jnp.sum(mask_K1xBxT, axis=(1, 2)), 1.0)
-  ce_coef_K1 = jnp.concatenate([jnp.ones(1), jnp.full(num_heads, cfg.ce_weight / max(num_heads, 1))]) / count_K1
+  alpha_K = jnp.full(num_mtp_heads, cfg.ce_weight / max(num_mtp_heads, 1))  # α_k = λ/K
+  ce_coef_K1 = jnp.concatenate([jnp.ones(1), alpha_K]) / count_K1
   kl_coef_K = beta_scale * jnp.asarray(cfg.beta, jnp.float32) / count_K1[1:]
   rows = b * t
   chunk_rows = min(chunk_rows, rows)
   pad = -rows % chunk_rows
-  x_K1xRxD = jnp.pad(x_K1xBxTxD.reshape(num_heads + 1, rows, d), ((0, 0), (0, pad), (0, 0)))
+  x_K1xRxD = jnp.pad(x_K1xBxTxD.reshape(num_mtp_heads + 1, rows, d), ((0, 0), (0, pad), (0, 0)))
   targets_R = jnp.pad(targets_BxT.reshape(rows), (0, pad))
-  mask_K1xR = jnp.pad(mask_K1xBxT.reshape(num_heads + 1, rows), ((0, 0), (0, pad)))
+  mask_K1xR = jnp.pad(mask_K1xBxT.reshape(num_mtp_heads + 1, rows), ((0, 0), (0, pad)))
   static = (cfg.top_n, cfg.top_n_mode, cfg.measure, cfg.renormalize, cfg.tau, cfg.distill, w_grad, main_grad)
   loss, sums = _fused(x_K1xRxD, w_DxV, targets_R, mask_K1xR, ce_coef_K1, kl_coef_K, static, chunk_rows)
   sums = lax.stop_gradient(sums)
   metrics = {'xent': sums['ce'][0] / count_K1[0], 'loss': loss}
-  for k in range(1, num_heads + 1):
+  for k in range(1, num_mtp_heads + 1):
     metrics[f'mtp/k{k}/xent'] = sums['ce'][k] / count_K1[k]
     metrics[f'mtp/k{k}/agree'] = sums['agree'][k] / count_K1[k]
     if cfg.distill:

@@ -83,8 +83,8 @@ def mtp_loss(x_KxBxTxD, w_DxU, teacher: Teacher, targets_BxT, segment_ids_BxT, t
   The main head's own cross-entropy is not included (the caller adds it); metrics are keyed as
   `losses.mtp_d_loss` keys them (`mtp/k{k}/xent`, `mtp/k{k}/agree`, `distill/k{k}/kl`).
   """
-  num_heads = x_KxBxTxD.shape[0]
-  cfg.check_heads(num_heads)
+  num_mtp_heads = x_KxBxTxD.shape[0]
+  cfg.check_heads(num_mtp_heads)
   if cfg.distill and (cfg.teacher != 'main' or cfg.top_n_mode != 'teacher' or not cfg.detach):
     raise ValueError('heads over a head vocabulary distil from the detached main head\'s own Top-N '
                      f"(teacher='main', top_n_mode='teacher', detach=True); got teacher={cfg.teacher!r}, "
@@ -92,13 +92,13 @@ def mtp_loss(x_KxBxTxD, w_DxU, teacher: Teacher, targets_BxT, segment_ids_BxT, t
   ids_U = jnp.asarray(ids_U)
   target_idx_BxT = jnp.take(index_of(ids_U, vocab_size), targets_BxT)
   loss, metrics = 0.0, {}
-  for k in range(1, num_heads + 1):
+  for k in range(1, num_mtp_heads + 1):
     s_BxTxU = jnp.einsum('btd,du->btu', x_KxBxTxD[k - 1], w_DxU, preferred_element_type=jnp.float32)
     mask_BxT = losses.target_mask(segment_ids_BxT, target_segment_ids_BxT, k)
     tgt_BxT = shift_left(target_idx_BxT, k, fill=-1)
     in_vocab_BxT = mask_BxT & (tgt_BxT >= 0)  # a target outside U is never a draft: masked
     ce_k = losses.masked_mean(losses.xent(s_BxTxU, jnp.maximum(tgt_BxT, 0)), in_vocab_BxT)
-    loss += cfg.ce_weight / num_heads * ce_k
+    loss += cfg.ce_weight / num_mtp_heads * ce_k
     metrics[f'mtp/k{k}/xent'] = ce_k
     draft_BxT = jnp.take(ids_U, jnp.argmax(s_BxTxU, axis=-1))
     metrics[f'mtp/k{k}/agree'] = losses.masked_mean(draft_BxT == shift_left(teacher.argmax_BxT, k), mask_BxT)

@@ -82,9 +82,9 @@ class LossConfig:
     """The per-entry terms of the distillation loss: the KL's direction, or 'tv' / 'js'."""
     return self.kl if self.divergence == 'kl' else self.divergence
 
-  def check_heads(self, num_heads: int) -> None:
-    if len(self.beta) != num_heads:
-      raise ValueError(f'beta has {len(self.beta)} values for {num_heads} MTP heads')
+  def check_heads(self, num_mtp_heads: int) -> None:
+    if len(self.beta) != num_mtp_heads:
+      raise ValueError(f'beta has {len(self.beta)} values for {num_mtp_heads} MTP heads')
 
 
 @jax.custom_vjp
@@ -252,14 +252,14 @@ def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, t
     `mtp/k{k}/agree` (teacher-forced: the main head's argmax at i+k is an argmax of head k at i;
     one argmax per row instead of K+1, which cost 5% of a vocab-32k step).
   """
-  num_heads = mtp_logits_KxBxTxV.shape[0]
-  cfg.check_heads(num_heads)
+  num_mtp_heads = mtp_logits_KxBxTxV.shape[0]
+  cfg.check_heads(num_mtp_heads)
   ce_weight, beta, distill, top_n, detach, teacher = (cfg.ce_weight, cfg.beta, cfg.distill, cfg.top_n,
                                                       cfg.detach, cfg.teacher)
   logits_BxTxV, mtp_logits_KxBxTxV = materialize_grad((logits_BxTxV, mtp_logits_KxBxTxV))
   # Split, not index: the cotangents of the heads are then concatenated, where indexing would
   # add K zero-padded [K, B, T, V] arrays, which XLA:CPU re-reads K times.
-  heads = [h[0] for h in jnp.split(mtp_logits_KxBxTxV, num_heads)] if num_heads else []
+  heads = [h[0] for h in jnp.split(mtp_logits_KxBxTxV, num_mtp_heads)] if num_mtp_heads else []
   main_mask_BxT = target_mask(segment_ids_BxT, target_segment_ids_BxT, 0)
   main_xent = masked_mean(xent(logits_BxTxV, targets_BxT), main_mask_BxT)
   metrics = {'xent': main_xent}
@@ -274,11 +274,11 @@ def mtp_d_loss(logits_BxTxV, mtp_logits_KxBxTxV, targets_BxT, segment_ids_BxT, t
                                            renormalize=cfg.renormalize, tau=cfg.tau, detach=detach, teacher=teacher)
   elif distill and top_n is not None and teacher == 'main' and cfg.top_n_mode == 'teacher':
     shared_idx = top_n_indices(teacher_logits_BxTxV, None, top_n, 'teacher')
-  for k in range(1, num_heads + 1):
+  for k in range(1, num_mtp_heads + 1):
     student_BxTxV = heads[k - 1]
     mask_BxT = target_mask(segment_ids_BxT, target_segment_ids_BxT, k)
     ce_k = masked_mean(xent(student_BxTxV, shift_left(targets_BxT, k)), mask_BxT)
-    loss += ce_weight / num_heads * ce_k
+    loss += ce_weight / num_mtp_heads * ce_k
     metrics[f'mtp/k{k}/xent'] = ce_k
     idx_BxTx1 = shift_left(main_argmax_BxT, k)[..., None]
     at_main_argmax_BxT = jnp.take_along_axis(student_BxTxV, idx_BxTx1, axis=-1)[..., 0]

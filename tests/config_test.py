@@ -74,8 +74,8 @@ _COUNTED = set()  # model configs whose built parameter count was checked agains
     ('distill.divergence', 'hellinger', "distill.divergence='hellinger' must be one of ('kl', 'tv', 'js')"),
     ('distill.top_n', 0, 'distill.top_n=0 must be None or an int'),
     ('distill.top_n', 10 ** 6, 'must be None or an int in'),
-    ('mtp.num_heads', -1, 'mtp.num_heads=-1 must be an int >= 0'),
-    ('distill.beta', (0.1, 0.2), 'must be one value per head: 4 values for mtp.num_heads=4'),
+    ('model.num_mtp_heads', -1, 'model.num_mtp_heads=-1 must be an int >= 0'),
+    ('distill.beta', (0.1, 0.2), 'must be one value per head: 4 values for model.num_mtp_heads=4'),
     ('distill.beta', -0.5, 'distill.beta=-0.5 must be None or a finite number >= 0'),
     ('distill.teacher', 'oracle', 'distill.teacher'),
     ('train.trainable', [9], 'train.trainable=[9] must be'),
@@ -90,7 +90,7 @@ _COUNTED = set()  # model configs whose built parameter count was checked agains
 ])
 def test_bad_values_are_refused(field, value, message):
   from conftest import small_config
-  config = small_config(num_heads=4)
+  config = small_config(num_mtp_heads=4)
   config.update_from_flattened_dict({field: value})
   with pytest.raises(ValueError, match=re.escape(message)):
     validation.validate_config(config)
@@ -102,7 +102,7 @@ def test_bad_values_are_refused(field, value, message):
     ({'eval.draft_source': 'context', 'eval.draft_min_prob': 0.5}, 'without a tree (or eval.draft_min_prob)')])
 def test_context_drafts_with_a_tree_or_adaptive_depth_are_refused(overrides, message):
   from conftest import small_config
-  config = small_config(num_heads=4)
+  config = small_config(num_mtp_heads=4)
   config.update_from_flattened_dict(overrides)
   with pytest.raises(ValueError, match=re.escape(message)):
     validation.validate_config(config)
@@ -110,7 +110,7 @@ def test_context_drafts_with_a_tree_or_adaptive_depth_are_refused(overrides, mes
 
 def test_a_symmetric_divergence_with_a_kl_direction_is_refused():
   from conftest import small_config
-  config = small_config(num_heads=1)
+  config = small_config(num_mtp_heads=1)
   config.update_from_flattened_dict({'distill.divergence': 'js', 'distill.kl': 'reverse'})
   with pytest.raises(ValueError, match=re.escape("kl='reverse' is a direction of the KL; divergence='js' is symmetric")):
     validation.validate_config(config)
@@ -133,7 +133,7 @@ def test_cli_refuses_bad_input_with_one_line_and_exit_2(tmp_path):
 
 def test_draft_and_head_vocabularies_are_the_most_frequent_training_tokens():
   from conftest import small_config
-  config = small_config(num_heads=1)
+  config = small_config(num_mtp_heads=1)
   config.data.synthetic_records = 64
   ids = recipe.frequent_training_tokens(config, 8)
   source = recipe.make_source(config, 'train')

@@ -28,13 +28,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
-def small_config(num_heads: int = 2, steps: int = 8):
+def small_config(num_mtp_heads: int = 2, steps: int = 8):
   """A config small enough that a jitted train step compiles in seconds on 2 cores."""
   from configs import base
   c = base.get_config()
   c.model.update(dict(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                       mlp_dim=64, max_seq_len=32))
-  c.mtp.num_heads = num_heads
+  c.model.num_mtp_heads = num_mtp_heads
   c.distill.top_n = 8
   c.data.update(dict(seq_len=16, batch_size=8, synthetic_records=512))
   c.train.update(dict(steps=steps, lr=3e-3, log_every=2, eval_batches=1))

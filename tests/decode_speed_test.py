@@ -33,12 +33,12 @@ def test_tiny_quick(tmp_path, monkeypatch):
   monkeypatch.setattr(planner, 'plan', lambda model, prompts, opts, **kw: planned.append(opts) or plan(
       model, prompts, opts, **kw))
   results = decode_speed.main(decode_speed.parse_args(
-      QUICK + ['--train_steps=20', '--num_heads=2', '--num_layers=2', '--depths=3', '--draft_min_prob=0,0.5',
+      QUICK + ['--train_steps=20', '--num_mtp_heads=2', '--num_layers=2', '--depths=3', '--draft_min_prob=0,0.5',
                '--tree=2,1,1', '--speculation=auto', '--draft_source=heads,context,both', '--ngram=2',
                '--draft_vocab=48', f'--out={out}']))
   assert [len(o.draft.vocab) for o in planned] == [48] and planned[0].draft.ngram == 2
   saved = json.loads(out.read_text())
-  assert set(saved) >= {'model', 'num_heads', 'train_s', 'args', 'model_config', 'sets', 'meta', 'adaptive_effect',
+  assert set(saved) >= {'model', 'num_mtp_heads', 'train_s', 'args', 'model_config', 'sets', 'meta', 'adaptive_effect',
                         'tree_effect', 'auto_effect'}
   assert saved['meta']['command'] and saved['meta']['date'].startswith('20') and saved['complete'] is True
   assert list(saved['sets']) == ['synthetic'] and list(saved['sets']['synthetic']) == ['b1']
@@ -140,10 +140,10 @@ def test_gguf_quick_with_hf_side_by_side(fake_gguf, tmp_path):
   decode_speed.main(decode_speed.parse_args(
       QUICK + [f'--model={fake_gguf}', f'--cache_dir={tmp_path / "cache"}', '--train_chars=20000',
                '--train_steps=3', '--train_batch=2', '--train_seq=16', '--max_prompt_tokens=48',
-               '--num_heads=2', '--batch_sizes=1,2', '--prompt_sets=chat,code', '--draft_vocab=64,0',
+               '--num_mtp_heads=2', '--batch_sizes=1,2', '--prompt_sets=chat,code', '--draft_vocab=64,0',
                '--hf' if hf else '--nohf', f'--out={out}']))
   saved = json.loads(out.read_text())
-  assert saved['num_heads'] == 2 and saved['file'] == 'tiny.gguf' and saved['train_tokens'] == 3 * 2 * 17
+  assert saved['num_mtp_heads'] == 2 and saved['file'] == 'tiny.gguf' and saved['train_tokens'] == 3 * 2 * 17
   assert len(saved['train_xent_first']) == len(saved['train_xent_last']) == 2
   for name in ('chat', 'code'):
     for b in ('b1', 'b2'):
@@ -168,7 +168,7 @@ def test_gguf_workdir_brings_its_own_trained_heads(fake_gguf, tmp_path):
   from mtpd_jax.harness import training
   from tests.conftest import small_config  # pylint: disable=import-outside-toplevel
   from tests.gguf_test import FAKE  # pylint: disable=import-outside-toplevel
-  c = small_config(num_heads=3, steps=2)
+  c = small_config(num_mtp_heads=3, steps=2)
   c.model.update({**FAKE, 'max_seq_len': 32})
   c.distill.top_n, c.eval.enabled = 16, False
   c.train.init_from, c.train.trainable = fake_gguf, 'mtp_heads'
@@ -177,6 +177,6 @@ def test_gguf_workdir_brings_its_own_trained_heads(fake_gguf, tmp_path):
   saved = decode_speed.main(decode_speed.parse_args(
       QUICK + [f'--model={fake_gguf}', f'--workdir={tmp_path / "run"}', '--max_prompt_tokens=32',
                '--batch_sizes=1', '--prompt_sets=math', '--nohf', f'--out={tmp_path / "out.json"}']))
-  assert saved['num_heads'] == 3 and saved['workdir'] == str(tmp_path / 'run')  # not --num_heads' default 4
+  assert saved['num_mtp_heads'] == 3 and saved['workdir'] == str(tmp_path / 'run')  # not --num_mtp_heads' default 4
   assert 'train_s' not in saved  # nothing was trained here
   _check_run(saved['sets']['math']['b1']['depth3'], 3)

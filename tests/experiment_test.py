@@ -42,7 +42,7 @@ def _expected_depth(name: str, point: dict) -> int:
   config = run_cli.load_config_module(os.path.join(ROOT, 'configs', name + '.py')).get_config('quick')
   config.update_from_flattened_dict(point)
   schedule = tuple(config.looped.schedule)
-  return config.eval.draft_depth or (schedule[-1] if schedule else config.mtp.num_heads)
+  return config.eval.draft_depth or (schedule[-1] if schedule else config.model.num_mtp_heads)
 
 
 def check_quick_sweep(name: str, tmp_path, env, indices=None) -> dict:
@@ -114,12 +114,12 @@ def test_a_fixed_base_seed_gives_every_seed_one_base_model_and_keeps_the_variant
   assert len(set(own)) == 3 and {f.train.init_from for f in fixed} == {own[0]}  # seed 0's own base, reused
   assert [(f.seed, f.data.seed) for f in fixed] == [(0, 0), (1, 1), (2, 2)]  # the variants still vary
   base_lm = experiment.base_config(fixed[2])
-  assert (base_lm.seed, base_lm.data.seed, base_lm.mtp.num_heads) == (0, 0, 0)
+  assert (base_lm.seed, base_lm.data.seed, base_lm.model.num_mtp_heads) == (0, 0, 0)
 
 
 def _small_looped_sweep(tmp_path):
   from conftest import small_config
-  c = small_config(num_heads=1, steps=4)
+  c = small_config(num_mtp_heads=1, steps=4)
   c.looped.stage_steps = 4
   c.eval.update(dict(max_prompts=2, max_new_tokens=8, repeats=1, timing_steps=4, timing_repeats=1))
   sweep = [{'label': 'K=1'}, {'label': 'free', 'eval.draft_depth': 3},

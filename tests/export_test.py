@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # two short trainings and a subprocess
 
 
 def _config(tmp_path, **fields):
-  config = small_config(num_heads=2, steps=4)
+  config = small_config(num_mtp_heads=2, steps=4)
   config.model.qk_norm = False
   config.data.cache_dir = str(tmp_path / 'cache')
   config.update_from_flattened_dict(fields)
@@ -33,7 +33,7 @@ def _logits(state, tokens):
 
 def test_exported_heads_reload_bitwise_and_a_tampered_config_is_refused(tmp_path):
   base = str(tmp_path / 'base')
-  training.train_and_evaluate(_config(tmp_path, **{'mtp.num_heads': 0, 'eval.enabled': False}), base, progress=False)
+  training.train_and_evaluate(_config(tmp_path, **{'model.num_mtp_heads': 0, 'eval.enabled': False}), base, progress=False)
   heads = _config(tmp_path, **{'train.init_from': base, 'train.trainable': 'mtp_heads', 'mtp.head_vocab': 16})
   trained, _ = training.train_and_evaluate(heads, str(tmp_path / 'heads'), progress=False)
   out = tmp_path / 'export'

@@ -203,7 +203,7 @@ def _frozen_trunk_run(config, workdir, ref):
 def test_heads_only_training_leaves_the_imported_trunk_bitwise_unchanged(fake, tmp_path):
   from tests.conftest import small_config
   d, _ = fake
-  c = small_config(num_heads=2, steps=2)
+  c = small_config(num_mtp_heads=2, steps=2)
   c.model.update({**FAKE, 'max_seq_len': 32})
   c.distill.top_n = 16
   c.train.init_from, c.train.trainable, c.train.lr = str(d / 'tiny.gguf'), 'mtp_heads', 1e-2
@@ -250,7 +250,7 @@ def test_embedded_corpus_with_the_smollm2_tokenizer_uses_its_chat_template(tmp_p
 @pytest.mark.slow
 def test_heads_only_steps_on_smollm2_leave_its_trunk_bitwise_unchanged(tmp_path):
   from configs import smollm2_mtpd
-  c = smollm2_mtpd.get_config('quick', num_heads=1)
+  c = smollm2_mtpd.get_config('quick', num_mtp_heads=1)
   c.data.source, c.data.synthetic_records = 'synthetic', 64  # no corpus build: the trunk is what is tested
   c.data.seq_len, c.data.batch_size = 16, 2
   c.train.steps, c.train.eval_batches, c.ckpt.every_steps = 2, 1, 100

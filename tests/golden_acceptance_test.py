@@ -24,7 +24,7 @@ GOLDEN = {'online_ar': [0.3462, 0.7888], 'tf_ar': [0.5213, 0.875]}
 
 def _config():
   c = tiny.get_config()
-  c.mtp.num_heads = 2
+  c.model.num_mtp_heads = 2
   c.train.steps = 150
   c.data.synthetic_records = 1024
   c.ckpt.every_steps = 150

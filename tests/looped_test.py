@@ -13,8 +13,8 @@ from mtpd_jax.harness import looped, recipe, training
 from mtpd_jax.model import MTPTransformer
 
 
-def _params(num_heads, seed):
-  cfg = recipe.model_config(small_config(num_heads=num_heads))
+def _params(num_mtp_heads, seed):
+  cfg = recipe.model_config(small_config(num_mtp_heads=num_mtp_heads))
   return nnx.state(MTPTransformer(cfg, rngs=nnx.Rngs(seed)), nnx.Param)
 
 
@@ -35,16 +35,16 @@ def test_transplant_copies_the_trunk_and_loops_heads():
 
 @pytest.mark.slow
 def test_looped_stages_train_only_the_new_heads(tmp_path):
-  config = small_config(num_heads=1, steps=4)
+  config = small_config(num_mtp_heads=1, steps=4)
   config.looped.schedule = (1, 3)
   config.looped.stage_steps = 4
   stages = looped.stage_configs(config, str(tmp_path))
-  assert [c.mtp.num_heads for c, _ in stages] == [1, 3]
+  assert [c.model.num_mtp_heads for c, _ in stages] == [1, 3]
   assert stages[1][0].train.trainable == [2, 3] and stages[1][0].train.init_heads == 'loop'
   looped.run_looped(config, str(tmp_path), progress=False)
   first, _ = training.restore_model(str(tmp_path / 'heads_1'))
   last, last_config = training.restore_model(str(tmp_path / 'heads_3'))
-  assert last_config.mtp.num_heads == 3
+  assert last_config.model.num_mtp_heads == 3
   p1, p3 = nnx.state(first, nnx.Param), nnx.state(last, nnx.Param)
   for path, leaf in jax.tree_util.tree_leaves_with_path(p1):   # trunk and head 1 frozen
     np.testing.assert_array_equal(np.asarray(leaf), np.asarray(dict(jax.tree_util.tree_leaves_with_path(p3))[path]))
@@ -61,7 +61,7 @@ def test_looped_stages_train_only_the_new_heads(tmp_path):
 @pytest.mark.slow
 @pytest.mark.reliability
 def test_an_interrupted_looped_stage_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
-  config = small_config(num_heads=1, steps=4)
+  config = small_config(num_mtp_heads=1, steps=4)
   config.looped.schedule, config.looped.stage_steps = (1, 2), 4
   config.ckpt.every_steps = 100  # only the preemption and the final step save
   looped.run_looped(config, str(tmp_path / 'straight'), progress=False)

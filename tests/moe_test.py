@@ -26,8 +26,8 @@ CFG = M.ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_hea
                     num_mtp_heads=2, moe=MOE_CFG)
 
 
-def _moe_config(num_heads=2, **moe_fields):
-  c = small_config(num_heads)
+def _moe_config(num_mtp_heads=2, **moe_fields):
+  c = small_config(num_mtp_heads)
   c.model.moe.update(dict(num_experts=4, top_k=2, expert_dim=16, num_shared_experts=1, **moe_fields))
   return c
 
@@ -214,7 +214,7 @@ def _setup(config, mesh):
 
 @pytest.mark.slow
 def test_expert_sharded_step_equals_the_single_device_step():
-  config = _moe_config(num_heads=1, bias_update_rate=0.01)
+  config = _moe_config(num_mtp_heads=1, bias_update_rate=0.01)
   config.train.eps = 1e-3  # as train_test: Adam's first steps amplify reduction-order noise otherwise
   batch = next(recipe.make_data_iterator(config, 'train'))
   results = []
@@ -244,7 +244,7 @@ def test_expert_sharded_step_equals_the_single_device_step():
 
 @pytest.mark.slow
 def test_moe_tiny_trunk_trains_with_mtpd_heads(tmp_path):
-  config = small_config(num_heads=2, steps=40)
+  config = small_config(num_mtp_heads=2, steps=40)
   model_presets.apply(config, 'moe_tiny')
   config.train.log_every = 10
   assert recipe.model_config(config).moe.num_experts == 4

@@ -68,7 +68,7 @@ MUTANTS = (
            "lambda logq, logp: jnp.exp(logq) * (logq - logp)", "lambda logq, logp: jnp.exp(logp) * (logq - logp)",
            (LOSSES + 'test_whole_vocabulary_kl_matches_numpy',)),
     Mutant('head CE weight lambda instead of lambda/K', 'mtpd_jax/losses.py',
-           'loss += ce_weight / num_heads * ce_k', 'loss += ce_weight * ce_k',
+           'loss += ce_weight / num_mtp_heads * ce_k', 'loss += ce_weight * ce_k',
            (LOSSES + 'test_mtp_d_loss_total_and_metrics_match_their_parts',)),
     Mutant('head k trained on the target of head k-1', 'mtpd_jax/losses.py',
            'xent(student_BxTxV, shift_left(targets_BxT, k))', 'xent(student_BxTxV, shift_left(targets_BxT, k - 1))',

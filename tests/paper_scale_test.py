@@ -14,10 +14,10 @@ from mtpd_jax import model, sharding
 from mtpd_jax.harness import recipe, training, validation
 
 
-def _config(preset: str, num_heads: int):
+def _config(preset: str, num_mtp_heads: int):
   c = base.get_config()
   model_presets.apply(c, preset)
-  c.mtp.num_heads = num_heads
+  c.model.num_mtp_heads = num_mtp_heads
   c.distill.top_n = 10_000  # the paper's N
   c.data.seq_len, c.data.batch_size = 512, 8
   c.model.dtype = 'bfloat16'
@@ -35,7 +35,7 @@ def _abstract_params(config):
     ('moe_10b_a1b', (9.5e9, 10.5e9), (0.95e9, 1.1e9)),
 ])
 def test_paper_scale_parameter_counts(preset, total, active):
-  config = _config(preset, num_heads=0)  # the backbone alone (MTP heads are extra, as in DeepSeek-V3)
+  config = _config(preset, num_mtp_heads=0)  # the backbone alone (MTP heads are extra, as in DeepSeek-V3)
   validation.validate_config(config)
   cfg = recipe.model_config(config)
   params = _abstract_params(config)
@@ -56,7 +56,7 @@ def test_paper_scale_parameter_counts(preset, total, active):
     ('moe_10b_a1b', (2, 4), ('fsdp', 'expert')),
 ])
 def test_paper_scale_train_step_lowers_on_8_fake_devices(preset, mesh_shape, mesh_axes):
-  config = _config(preset, num_heads=1)
+  config = _config(preset, num_mtp_heads=1)
   config.mesh.shape, config.mesh.axes = mesh_shape, mesh_axes
   validation.validate_config(config)
   mesh = sharding.make_mesh(mesh_shape, mesh_axes)

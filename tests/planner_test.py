@@ -29,7 +29,7 @@ def prompts():
 def test_candidates_cover_plain_chains_trees_adaptive_depth_and_the_context_with_the_options_sampling():
   opts = decode.options(16, draft_depth=2, draft_vocab=np.arange(8), temperature=0.7, top_p=0.9, stop_tokens=(3,),
                         ngram=2)
-  got = planner.candidates(opts, num_heads=2, max_depth=3)
+  got = planner.candidates(opts, num_mtp_heads=2, max_depth=3)
   assert list(got) == ['plain', 'chain1', 'chain2', 'chain3', 'tree2x1', 'tree3x1', 'tree2x2', 'tree3x2',
                        'chain3@0.5', 'context2', 'context4', 'both3']
   assert got['plain'].draft == DraftPlan()
@@ -39,7 +39,7 @@ def test_candidates_cover_plain_chains_trees_adaptive_depth_and_the_context_with
   assert got['both3'].draft == DraftPlan(3, (), 0.0, tuple(range(8)), 'both', 2)
   for o in got.values():  # only the draft plan varies
     assert dataclasses.replace(o, draft=DraftPlan()) == opts.plain()
-  assert list(planner.candidates(decode.options(16), num_heads=1)) == ['plain', 'chain1', 'context2', 'context4',
+  assert list(planner.candidates(decode.options(16), num_mtp_heads=1)) == ['plain', 'chain1', 'context2', 'context4',
                                                                        'both1']
 
 
@@ -103,7 +103,7 @@ def test_eval_speculation_auto_times_the_planners_pick_on_every_set_after_the_co
   planner calibrated on prompts past eval.max_prompts, timed against plain decoding."""
   from conftest import small_config
   from mtpd_jax.harness import experiment, recipe
-  c = small_config(num_heads=2, steps=4)
+  c = small_config(num_mtp_heads=2, steps=4)
   c.eval.update(dict(max_prompts=2, max_new_tokens=8, repeats=1, timing_steps=4, timing_repeats=1,
                      speculation='auto', calibration_prompts=3))
   c.data.cache_dir = str(tmp_path / 'cache')

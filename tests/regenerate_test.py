@@ -17,7 +17,7 @@ pytestmark = pytest.mark.reliability
 def answering(tmp_path_factory):
   """A tiny model trained for 4 steps on a small embedded corpus (BPE of 512 tokens): the one that answers."""
   tmp = tmp_path_factory.mktemp('answering')
-  config = small_config(num_heads=0, steps=4)
+  config = small_config(num_mtp_heads=0, steps=4)
   config.model.vocab_size = 512
   config.data.update(source='embedded', embedded_chars=300_000, cache_dir=str(tmp / 'cache'))
   config.eval.enabled = False
@@ -27,7 +27,7 @@ def answering(tmp_path_factory):
 
 def _config(answering, **fields):
   base, workdir = answering
-  config = small_config(num_heads=2)
+  config = small_config(num_mtp_heads=2)
   config.model.vocab_size = 512
   config.data.update(source='embedded', embedded_chars=300_000, cache_dir=base.data.cache_dir, regenerate=True,
                      regenerate_new_tokens=6, regenerate_prompt_tokens=24, regenerate_batch_size=4,

@@ -89,8 +89,8 @@ def test_a_workdir_of_another_model_is_refused_and_resume_never_refuses_reuse(tm
   before = _ckpt_steps(str(tmp_path))
   other = small_config(steps=8)
   other.model.dim = 48
-  other.mtp.num_heads = 3
-  with pytest.raises(ValueError, match=r'another model \(model.dim: 32 -> 48; mtp.num_heads: 2 -> 3\)'):
+  other.model.num_mtp_heads = 3
+  with pytest.raises(ValueError, match=r'another model \(model.dim: 32 -> 48; model.num_mtp_heads: 2 -> 3\)'):
     _train(other, tmp_path)
   again = small_config(steps=8)
   again.train.resume = 'never'

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.reliability
 
 
 def _config(tmp_path, **fields):
-  config = small_config(num_heads=2, steps=6)
+  config = small_config(num_mtp_heads=2, steps=6)
   config.train.update({'trainable': 'mtp_heads', 'trunk_cache': True, 'teacher_cache': True})
   config.mtp.head_vocab = 16
   config.data.cache_dir = str(tmp_path / 'cache')
@@ -159,7 +159,7 @@ def test_head_vocabulary_ids_travel_with_the_checkpoints_and_other_ids_are_refus
     training.train_and_evaluate(longer, workdir, progress=False)
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['3', '6']
   # So is a warm start of new heads from it (a looped stage) that would draft other ids.
-  stage = _config(tmp_path, **{'train.init_from': workdir, 'train.init_heads': 'loop', 'mtp.num_heads': 3})
+  stage = _config(tmp_path, **{'train.init_from': workdir, 'train.init_heads': 'loop', 'model.num_mtp_heads': 3})
   with pytest.raises(ValueError, match='train.init_from=.* was saved with another head_vocab'):
     training.train_and_evaluate(stage, str(tmp_path / 'stage'), progress=False)
 

@@ -75,7 +75,7 @@ def test_each_bad_file_is_named_in_one_line(tmp_path, name, content, message):
 @pytest.mark.slow
 def test_a_run_trains_and_evaluates_on_a_text_file_with_its_own_bpe(tmp_path):
   path = _jsonl(tmp_path / 'corpus.jsonl', [{'text': f'{d} Line {i}. ' * 20} for i, d in enumerate(DOCS * 40)])
-  config = small_config(num_heads=1, steps=4)
+  config = small_config(num_mtp_heads=1, steps=4)
   config.model.vocab_size = 512
   config.data.update(source='text', train_path=path, tokenizer='bpe', cache_dir=str(tmp_path / 'cache'))
   config.eval.update(max_prompts=2, max_new_tokens=4, repeats=1, timing_steps=2, timing_repeats=1)

@@ -58,7 +58,7 @@ def _read_metrics(workdir):
 
 @pytest.mark.slow
 def test_loss_falls_and_metrics_jsonl_has_every_key(tmp_path):
-  config = small_config(num_heads=2, steps=40)
+  config = small_config(num_mtp_heads=2, steps=40)
   config.train.log_every = 10
   training.train_and_evaluate(config, str(tmp_path), progress=False)
   rows = [r for r in _read_metrics(str(tmp_path)) if 'train/loss' in r]
@@ -69,7 +69,7 @@ def test_loss_falls_and_metrics_jsonl_has_every_key(tmp_path):
   assert keys <= set(rows[0])
   assert rows[-1]['train/loss'] < 0.85 * rows[0]['train/loss']
   assert rows[-1]['train/mtp/k1/xent'] < rows[0]['train/mtp/k1/xent']
-  assert json.load(open(tmp_path / 'config.json'))['mtp']['num_heads'] == 2
+  assert json.load(open(tmp_path / 'config.json'))['model']['num_mtp_heads'] == 2
 
 
 @pytest.mark.slow
@@ -139,9 +139,9 @@ def test_frozen_parameters_do_not_move(trainable, moving):
 
 
 def test_resolve_beta_defaults_and_schedules():
-  config = small_config(num_heads=1)
+  config = small_config(num_mtp_heads=1)
   assert recipe.resolve_beta(config) == (1.0,)
-  config = small_config(num_heads=4)
+  config = small_config(num_mtp_heads=4)
   assert recipe.resolve_beta(config) == (0.5,) * 4
   config.distill.beta = 1.0
   config.distill.beta_schedule = 'exp_decay'
@@ -152,17 +152,17 @@ def test_resolve_beta_defaults_and_schedules():
   config.distill.beta = (0.1, 0.2, 0.3, 0.4)
   assert recipe.resolve_beta(config) == (0.1, 0.2, 0.3, 0.4)
   config.distill.beta = (0.1, 0.2)
-  with pytest.raises(ValueError, match='2 values for mtp.num_heads=4'):
+  with pytest.raises(ValueError, match='2 values for model.num_mtp_heads=4'):
     recipe.resolve_beta(config)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('num_heads,distill', [(2, True), (2, False)])
-def test_fused_chunked_loss_step_equals_the_logits_step(num_heads, distill):
+@pytest.mark.parametrize('num_mtp_heads,distill', [(2, True), (2, False)])
+def test_fused_chunked_loss_step_equals_the_logits_step(num_mtp_heads, distill):
   """train.loss_chunk_rows > 0 (loss from hidden states in row chunks) trains exactly as 0 does."""
   results = []
   for chunk_rows in (0, 32):
-    config = small_config(num_heads=num_heads)
+    config = small_config(num_mtp_heads=num_mtp_heads)
     config.distill.enabled = distill
     config.train.eps = 1e-3   # as in the mesh test: keep Adam's first update smooth in g
     config.train.loss_chunk_rows = chunk_rows

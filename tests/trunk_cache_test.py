@@ -20,7 +20,7 @@ pytestmark = pytest.mark.reliability
 
 
 def _config(tmp_path, **train_fields):
-  config = small_config(num_heads=2, steps=6)
+  config = small_config(num_mtp_heads=2, steps=6)
   config.train.update({'trainable': 'mtp_heads', 'trunk_cache': True, **train_fields})
   config.data.cache_dir = str(tmp_path / 'cache')
   return config

@@ -100,13 +100,13 @@ def _jsonl(name, field=''):
   return {'eval.jsonl': (f'mine={{d}}/{name}.jsonl' + (f':{field}' if field else ''),)}
 
 
-# (class, overrides of small_config(num_heads=2), text the one line must contain)
+# (class, overrides of small_config(num_mtp_heads=2), text the one line must contain)
 CASES = [
     # Silent acceptance: these ran (or trained nothing) and exited 0.
     ('silent', {'seeds': 0}, 'seeds=0 must be an int >= 1'),
     ('silent', {'train.trainable': []}, 'train.trainable=[] must be'),
     ('silent', {'train.trainable': [1, 1]}, 'distinct head indices'),
-    ('silent', {'mtp.num_heads': 0, 'train.trainable': 'mtp_heads'}, 'no heads to train alone'),
+    ('silent', {'model.num_mtp_heads': 0, 'train.trainable': 'mtp_heads'}, 'no heads to train alone'),
     ('silent', {'distill.beta': float('nan')}, 'distill.beta=nan must be'),
     ('silent', {'distill.beta': float('inf')}, 'distill.beta=inf must be'),
     ('silent', {'distill.beta': (0.5, float('nan'))}, 'distill.beta=(0.5, nan) must be'),
@@ -128,7 +128,7 @@ CASES = [
     ('silent', {'data.eos_id': -1}, 'data.eos_id=-1'),
     ('silent', {'eval.prompt_sets': ('chat', 'poetry')}, "eval.prompt_sets=('chat', 'poetry') must be"),
     ('silent', {'eval.jsonl': ('no_equals_sign',)}, "eval.jsonl=('no_equals_sign',) must be"),
-    ('silent', {'mtp.num_heads': 0, 'eval.draft_depth': 2}, 'eval.draft_depth=2 drafts with MTP heads'),
+    ('silent', {'model.num_mtp_heads': 0, 'eval.draft_depth': 2}, 'eval.draft_depth=2 drafts with MTP heads'),
     ('silent', {'eval.max_prompt_tokens': 20, 'eval.max_new_tokens': 20}, 'exceeds model.max_seq_len=32'),
     ('silent', {'distill.warmup_steps': -5}, 'distill.warmup_steps=-5'),
     ('silent', {'base.steps': -1}, 'base.steps=-1'),
@@ -205,7 +205,7 @@ CASES = [
                          ids=[f'{k}-{",".join(f"{n}={v}" for n, v in o.items())}'[:80] for k, o, _ in CASES])
 def test_bad_input_is_one_named_line_exit_2_before_any_work(files, capsys, kind, overrides, message):
   d, workdir = files
-  config = small_config(num_heads=2)
+  config = small_config(num_mtp_heads=2)
   config.eval.update(max_prompt_tokens=8, max_new_tokens=8)  # fits model.max_seq_len=32
   config.update_from_flattened_dict({k: v.format(d=d) if isinstance(v, str) else
                                      tuple(x.format(d=d) for x in v) if isinstance(v, tuple) and v and
@@ -321,7 +321,7 @@ def test_evaluate_refuses_a_bad_workdir_in_one_line(tmp_path, capsys, setup, dep
   if setup == 'bad_json':
     (workdir / 'config.json').write_text('{"model": ')
   if setup in ('no_checkpoints', 'no_heads'):
-    (workdir / 'config.json').write_text(small_config(num_heads=0 if setup == 'no_heads' else 2).to_json())
+    (workdir / 'config.json').write_text(small_config(num_mtp_heads=0 if setup == 'no_heads' else 2).to_json())
   before = _snapshot(tmp_path)
   with pytest.raises(Exception) as info:
     evaluate_cli.check_inputs(str(workdir), depth)

@@ -15,7 +15,7 @@ import pytest
 from configs import base
 from conftest import small_config
 from mtpd_jax import workdir_lock
-from mtpd_jax.harness import cli, experiment, training
+from mtpd_jax.harness import cli, experiment, training, validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, 'JAX_NUM_CPU_DEVICES': '1', 'PYTHONPATH': ROOT}
@@ -322,7 +322,7 @@ def test_evaluating_a_damaged_checkpoint_is_one_line_exit_2_and_leaves_it_in_pla
 def test_a_finished_point_of_a_version_that_lacked_a_field_is_still_this_configs(tmp_path):
   """A field added since a point finished (at its default) does not make a rerun refuse the point;
   a setting the point really ran with otherwise (here, fewer prompts) does."""
-  config = small_config(num_heads=1)
+  config = small_config(num_mtp_heads=1)
   run_dir = str(tmp_path / 'point')
   os.makedirs(run_dir)
   saved = json.loads(experiment.with_base(config, str(tmp_path)).to_json())
@@ -336,7 +336,32 @@ def test_a_finished_point_of_a_version_that_lacked_a_field_is_still_this_configs
   assert experiment._finished_with({'config': experiment._digest(config.to_json())}, config, 'no such dir', '', None)
   # The older version distilled with the KL (the field's default), so a TV run is not that point.
   for field, value in (('eval.max_prompts', config.eval.max_prompts + 1), ('distill.divergence', 'tv')):
-    other = small_config(num_heads=1)
+    other = small_config(num_mtp_heads=1)
     other.update_from_flattened_dict({field: value})
     assert not finished(other), field
   assert not finished(config, str(tmp_path / 'no config.json'))
+
+
+def test_a_config_json_that_names_k_mtp_num_heads_reads_as_model_num_mtp_heads(tmp_path):
+  """K was `mtp.num_heads` until it took the core's name (validation.RENAMED): a workdir written
+  then reads under the new name, and its finished sweep point is still this config's."""
+  config = small_config(num_mtp_heads=3)
+  run_dir = str(tmp_path / 'point')
+  os.makedirs(run_dir)
+  saved = json.loads(experiment.with_base(config, str(tmp_path)).to_json())
+  saved['mtp']['num_heads'] = saved['model'].pop('num_mtp_heads')
+  with open(os.path.join(run_dir, 'config.json'), 'w') as f:
+    json.dump(saved, f)
+  read = training.saved_config(run_dir)
+  assert read.model.num_mtp_heads == 3 and 'num_heads' not in read.mtp
+  stale, defaults = {'config': 'digest of the older version'}, base.get_config()
+  assert experiment._finished_with(stale, config, run_dir, str(tmp_path), defaults)
+  assert not experiment._finished_with(stale, small_config(num_mtp_heads=2), run_dir, str(tmp_path), defaults)
+  # A config or a sweep point that still sets the old name is refused with the new one.
+  old = small_config(num_mtp_heads=3)
+  with old.unlocked():
+    old.mtp.num_heads = 3
+  with pytest.raises(ValueError, match='mtp.num_heads is now model.num_mtp_heads'):
+    validation.check_fields(old)
+  with pytest.raises(ValueError, match="sweep point 'K=2' sets mtp.num_heads, which is now model.num_mtp_heads"):
+    experiment.sweep_points([{'label': 'K=2', 'mtp.num_heads': 2}])

@@ -92,7 +92,25 @@ def parse_absl_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
-    raise InputError(one_line(e)) from e
+    raise InputError(_override_error(argv, e) or one_line(e)) from e
+
+
+def _override_error(argv: list[str], e: BaseException) -> str | None:
+  """The line for a `--config.*` override that names no field: a renamed one, or a missing key."""
+  from mtpd_jax.harness.validation import RENAMED  # pylint: disable=import-outside-toplevel
+  fields = [a.split('=', 1)[0].removeprefix('--config.') for a in argv if a.startswith('--config.')]
+  for name in fields:
+    if name in RENAMED:
+      return f'--config.{name} is now --config.{RENAMED[name]}'
+  # ml_collections raises AttributeError(KeyError(name)) for a field a locked config lacks.
+  candidates = (e, *e.args, e.__context__)
+  key_error = next((x for x in candidates if isinstance(x, KeyError) and x.args), None)
+  if key_error is not None:
+    missing, *hint = [line.strip('\'" ') for line in str(key_error.args[0]).splitlines()]
+    for name in fields:
+      if missing in name.split('.'):
+        return '. '.join([f'--config.{name}: the config has no field {missing!r}', *hint])
+  return None
 
 
 def check_config_file(path: str, arg: str = '') -> None:

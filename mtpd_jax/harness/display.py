@@ -67,6 +67,7 @@ def speculative_html(workdir: str, prompt_set: str = 'chat', index: int = 0, *, 
     raise ValueError(f'{workdir} was trained on data.source={config.data.source!r}, which has no text to show')
   prompt = recipe.prompt_sets(config)[prompt_set][index]
   gen = decode.generate(model, [prompt], max_new_tokens=max_new_tokens,
-                        draft_depth=draft_depth or config.mtp.num_heads, stop_tokens=tok.stop_ids)
+                        draft_depth=draft_depth or config.model.num_mtp_heads,
+                        stop_tokens=tok.stop_ids)
   return (f'<pre style="white-space:pre-wrap;color:#555">{html.escape(tok.decode(prompt))}</pre>'
           + highlight_html(gen.tokens[0], gen.accept_lengths[0], tok.decode))

@@ -36,7 +36,7 @@ def _base_seeds(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 def base_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The plain LM (K=0) that every variant of `config` continues from."""
   c = _base_seeds(config)
-  c.mtp.num_heads, c.distill.enabled, c.looped.schedule = 0, False, ()
+  c.model.num_mtp_heads, c.distill.enabled, c.looped.schedule = 0, False, ()
   c.train.steps, c.train.trainable, c.train.init_from = config.base.steps, 'all', ''
   c.distill.beta, c.eval.enabled = None, False
   return c
@@ -46,6 +46,8 @@ def base_workdir(config: ml_collections.ConfigDict, root: str) -> str:
   """runs/_base/<hash of everything the base model depends on>."""
   config = _base_seeds(config)
   key = {k: config[k].to_dict() for k in ('model', 'data')}
+  # A base has no heads (K = 0); its key stays what it was before K moved into config.model.
+  del key['model']['num_mtp_heads']
   key.update(train={k: v for k, v in config.train.to_dict().items() if k not in ('init_from', 'trainable')},
              seed=config.seed, steps=config.base.steps)
   return os.path.join(root, '_base', _digest(key))
@@ -106,7 +108,7 @@ def _run_point(config, workdir, *, root, progress, plan):
   _, final = training.train_plan(plan, progress=progress)
   # Evaluated as this point says (its eval.* may differ from the shared model's own run).
   eval_config, model_dir = own[-1][0], plan[-1][1]
-  print(format_summary(final, eval_config.mtp.num_heads), flush=True)
+  print(format_summary(final, eval_config.model.num_mtp_heads), flush=True)
   summary = {'config': _digest(original.to_json()), 'model_dir': model_dir, 'final': final,
              'eval': evaluate_workdir(model_dir, config=eval_config, out_dir=workdir)
                      if config.eval.enabled else None}
@@ -169,7 +171,7 @@ def evaluate_workdir(workdir: str, draft_depth: int | None = None, *, write: boo
 def _evaluate_workdir(workdir, draft_depth, *, write, defaults, config, out_dir):
   model, saved = training.restore_model(workdir, defaults=defaults)
   config = config or saved
-  depth = draft_depth or config.eval.draft_depth or config.mtp.num_heads
+  depth = draft_depth or config.eval.draft_depth or config.model.num_mtp_heads
   it = recipe.make_data_iterator(config, 'eval')
   heldout = evaluate.heldout_metrics(model, (next(it) for _ in range(config.train.eval_batches)))
   results = {}
@@ -192,12 +194,12 @@ def _evaluate_workdir(workdir, draft_depth, *, write, defaults, config, out_dir)
   return {'prompt_sets': results, 'heldout': heldout, 'trunk': evaluate.trunk_signature(model.cfg)}
 
 
-def format_summary(metrics: dict[str, float], num_heads: int) -> str:
+def format_summary(metrics: dict[str, float], num_mtp_heads: int) -> str:
   """Held-out metrics as a small table: one row for the main head, one per MTP head."""
   lines = [f'held-out loss {metrics["eval/loss"]:.4f}',
            f'{"head":>6} {"xent":>8} {"distill":>8} {"agree":>8}',
            f'{"main":>6} {metrics["eval/xent"]:8.4f} {"":>8} {"":>8}']
-  for k in range(1, num_heads + 1):
+  for k in range(1, num_mtp_heads + 1):
     kl = metrics.get(f'eval/distill/k{k}/kl')
     lines.append(f'{"k" + str(k):>6} {metrics[f"eval/mtp/k{k}/xent"]:8.4f} '
                  f'{"-" if kl is None else f"{kl:.4f}":>8} {100 * metrics[f"eval/mtp/k{k}/agree"]:7.2f}%')
@@ -216,6 +218,10 @@ def sweep_points(sweep: list[dict]) -> list[tuple[str, dict]]:
   out = []
   for point in sweep:
     point = {k: v for k, v in point.items() if k != 'reference'}
+    renamed = [k for k in point if k in validation.RENAMED]
+    if renamed:
+      raise ValueError(f'sweep point {point.get("label")!r} sets {renamed[0]}, which is now '
+                       f'{validation.RENAMED[renamed[0]]}')
     label = point.pop('label', None) or ', '.join(f'{k}={v}' for k, v in point.items()) or 'default'
     out.append((label, point))
   return out

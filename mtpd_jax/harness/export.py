@@ -70,7 +70,7 @@ def export_heads(model, config, head_vocab, out_dir: str) -> dict:
   """Write a trained model's heads (its config: the workdir's; `head_vocab`: the ids saved with its
   checkpoint, or None) and mtp_config.json into `out_dir`; returns the config written."""
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
-  if not config.mtp.num_heads:
+  if not config.model.num_mtp_heads:
     raise ValueError('the model has no MTP heads; nothing to export')
   params = nnx.state(model, nnx.Param)
   cfg = model.cfg

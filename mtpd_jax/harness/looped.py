@@ -19,13 +19,13 @@ def stage_configs(config: ml_collections.ConfigDict, workdir: str) -> list[tuple
   """(config, workdir) of every stage of `config.looped.schedule`."""
   stages, prev_dir = [], None
   schedule = tuple(config.looped.schedule)
-  for i, num_heads in enumerate(schedule):
+  for i, num_mtp_heads in enumerate(schedule):
     c = copy.deepcopy(config)
-    c.mtp.num_heads = num_heads
-    stage_dir = os.path.join(workdir, f'heads_{num_heads}')
+    c.model.num_mtp_heads = num_mtp_heads
+    stage_dir = os.path.join(workdir, f'heads_{num_mtp_heads}')
     if i > 0:
       c.train.steps = config.looped.stage_steps
-      c.train.trainable = list(range(schedule[i - 1] + 1, num_heads + 1))
+      c.train.trainable = list(range(schedule[i - 1] + 1, num_mtp_heads + 1))
       c.train.init_from, c.train.init_heads = prev_dir, 'loop'
     stages.append((c, stage_dir))
     prev_dir = stage_dir

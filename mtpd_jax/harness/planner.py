@@ -39,13 +39,13 @@ class Choice(NamedTuple):
   rows: dict  # per candidate: step_cost (plain steps), tokens_per_forward, predicted_speedup
 
 
-def candidates(opts: decode.DecodeOptions, num_heads: int,
+def candidates(opts: decode.DecodeOptions, num_mtp_heads: int,
                max_depth: int = 0) -> dict[str, decode.DecodeOptions]:
   """Plain decoding, chains of depth 1..max_depth (default: K, or the configured depth if deeper),
   the trees of `TREES` that fit that depth, adaptive depth on the deepest chain, the context's
   chains of `CONTEXT_DEPTHS` and the deepest chain beside the context's, all drafting over the
   configured draft vocabulary, with the options' n-gram, temperature, top-p and stop tokens."""
-  max_depth = max_depth or max(num_heads, opts.draft.depth)
+  max_depth = max_depth or max(num_mtp_heads, opts.draft.depth)
   plan = lambda depth, tree=(), min_prob=0.0, source='heads': dataclasses.replace(
       opts, draft=DraftPlan(depth, tree, min_prob, opts.draft.vocab, source, opts.draft.ngram))
   out = {'plain': opts.plain()}

@@ -22,24 +22,25 @@ BETA_SCHEDULES = ('constant', 'exp_decay', 'linear_decay', 'linear_increase')
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   fields = config.model.to_dict()
   moe = fields.pop('moe', {})  # workdirs saved before MoE existed have no model.moe
-  return ModelConfig(**fields, moe=MoEConfig(**moe), num_mtp_heads=config.mtp.num_heads)
+  return ModelConfig(**fields, moe=MoEConfig(**moe))
 
 
 def resolve_beta(config: ml_collections.ConfigDict) -> tuple[float, ...]:
   """β_k per head: explicit per-head values, or a base β shaped by `beta_schedule` over depth k."""
-  d, num_heads = config.distill, config.mtp.num_heads
+  d, num_mtp_heads = config.distill, config.model.num_mtp_heads
   if isinstance(d.beta, (list, tuple)):
-    if len(d.beta) != num_heads:
-      raise ValueError(f'distill.beta has {len(d.beta)} values for mtp.num_heads={num_heads}')
+    if len(d.beta) != num_mtp_heads:
+      raise ValueError(f'distill.beta has {len(d.beta)} values for model.num_mtp_heads={num_mtp_heads}')
     return tuple(float(b) for b in d.beta)
-  base = (1.0 if num_heads == 1 else 0.5) if d.beta is None else float(d.beta)  # Table 2's caption (K=1); design.md, "Choices"
+  # Table 2's caption (K=1); design.md, "Choices"
+  base = (1.0 if num_mtp_heads == 1 else 0.5) if d.beta is None else float(d.beta)
   weights = {'constant': lambda k: 1.0,
              'exp_decay': lambda k: d.step_gamma ** (k - 1),
-             'linear_decay': lambda k: (num_heads - k + 1) / num_heads,
-             'linear_increase': lambda k: k / num_heads}
+             'linear_decay': lambda k: (num_mtp_heads - k + 1) / num_mtp_heads,
+             'linear_increase': lambda k: k / num_mtp_heads}
   if d.beta_schedule not in weights:
     raise ValueError(f'unknown distill.beta_schedule {d.beta_schedule!r}; expected one of {BETA_SCHEDULES}')
-  return tuple(base * weights[d.beta_schedule](k) for k in range(1, num_heads + 1))
+  return tuple(base * weights[d.beta_schedule](k) for k in range(1, num_mtp_heads + 1))
 
 
 def loss_config(config: ml_collections.ConfigDict) -> losses.LossConfig:

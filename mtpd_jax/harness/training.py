@@ -18,7 +18,7 @@ from mtpd_jax.model import MTPTransformer
 
 # Config fields that change the shape of the saved state: a workdir's checkpoints are only
 # restorable by a config that agrees on all of them.
-STATE_SHAPING_FIELDS = ('model', 'mtp.num_heads', 'train.trainable')
+STATE_SHAPING_FIELDS = ('model', 'train.trainable')
 
 # The only fields (or groups) that may differ when a run resumes: how long it runs (the learning
 # rate schedule follows the new train.steps from the resumed step on), what it logs, when it
@@ -86,7 +86,7 @@ def train_plan(plan: list[tuple[ml_collections.ConfigDict, str]], *, progress: b
   result = None
   for config, workdir in plan:
     if len(plan) > 1:
-      print(f'[looped] {config.mtp.num_heads} heads -> {workdir}', flush=True)
+      print(f'[looped] {config.model.num_mtp_heads} heads -> {workdir}', flush=True)
     with workdir_lock.hold(workdir, wait=True):
       result = train_and_evaluate(config, workdir, progress=progress)
   return result
@@ -196,8 +196,8 @@ def state_mismatch(saved: dict, current: dict) -> list[str]:
 def _inactive(flat: dict, key: str) -> bool:
   """Fields that do nothing in this config: the MTP/distillation knobs of a plain LM (K = 0) or of
   an MTP run without distillation."""
-  no_heads = not flat.get('mtp.num_heads')
-  if key.startswith('mtp.') and key != 'mtp.num_heads':
+  no_heads = not flat.get('model.num_mtp_heads')
+  if key.startswith('mtp.'):
     return no_heads
   if key.startswith('distill.') and key != 'distill.enabled':
     return no_heads or not flat.get('distill.enabled')
@@ -258,6 +258,7 @@ def saved_config(workdir: str, defaults: ml_collections.ConfigDict | None = None
       raise ValueError(f'{path} is not valid JSON ({e}); restore it from a copy or use another --workdir') from None
   if not isinstance(saved, dict):
     raise ValueError(f'{path} holds {type(saved).__name__}, not a config')
+  saved = validation.with_current_names(saved)
   if defaults is not None:
     saved = with_defaults(saved, json.loads(defaults.to_json()))
   return ml_collections.ConfigDict(saved)

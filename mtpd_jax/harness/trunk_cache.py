@@ -29,7 +29,7 @@ DTYPES = ('float32', 'bfloat16')
 SPLITS = ('train', 'eval')
 # Fields of config.data that do not change which tokens a record holds.
 _DATA_FIELDS_WITHOUT_EFFECT = ('batch_size', 'shuffle', 'cache_dir')
-_MODEL_FIELDS_WITHOUT_EFFECT = ('remat', 'max_seq_len')
+_MODEL_FIELDS_WITHOUT_EFFECT = ('remat', 'max_seq_len', 'num_mtp_heads')
 
 
 TrunkCacheError = row_cache.CacheError

@@ -1,7 +1,9 @@
 """Config validation: every field against its rule, then what fields must agree on, the mesh and
 the files a run will read, so that bad input stops before any work with one line naming it."""
 
+import copy
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -21,25 +23,26 @@ from mtpd_jax.harness.rules import Rule, flag, integer, is_int, is_real, one_of,
 
 
 def _beta(v, c):
-  k = c.mtp.num_heads
+  k = c.model.num_mtp_heads
   if v is None or (is_real(v) and v >= 0):
     return None
   if isinstance(v, (list, tuple)) and len(v) == k and all(is_real(b) and b >= 0 for b in v):
     return None
   if isinstance(v, (list, tuple)) and len(v) != k:
-    return f'one value per head: {k} values for mtp.num_heads={k}'
-  return f'None or a finite number >= 0 (or one such number per head: {k} for mtp.num_heads={k})'
+    return f'one value per head: {k} values for model.num_mtp_heads={k}'
+  return (f'None or a finite number >= 0 (or one such number per head: {k} for '
+          f'model.num_mtp_heads={k})')
 
 
 def _trainable(v, c):
-  k = c.mtp.num_heads
+  k = c.model.num_mtp_heads
   if v == 'all' or (v == 'mtp_heads' and k >= 1):
     return None
   if (isinstance(v, (list, tuple)) and v and all(is_int(h) and 1 <= h <= k for h in v)
       and len(set(v)) == len(v)):
     return None
-  return (f"'all', 'mtp_heads' or a non-empty list of distinct head indices in 1..mtp.num_heads={k}"
-          if k else "'all' (mtp.num_heads=0: there are no heads to train alone)")
+  return ("'all', 'mtp_heads' or a non-empty list of distinct head indices in "
+          f'1..model.num_mtp_heads={k}' if k else "'all' (model.num_mtp_heads=0: there are no heads to train alone)")
 
 
 def _increasing_heads(v, c):
@@ -89,6 +92,7 @@ FIELD_RULES: dict[str, Rule] = {
     'model.vocab_size': integer(2),
     'model.dim': integer(1),
     'model.num_layers': integer(1),
+    'model.num_mtp_heads': integer(0),
     'model.num_heads': integer(1),
     'model.num_kv_heads': integer(1, 'model.num_heads'),
     'model.head_dim': integer(2),
@@ -113,7 +117,6 @@ FIELD_RULES: dict[str, Rule] = {
     'model.moe.renormalize_gates': flag(),
     'model.moe.aux_loss_weight': real(0),
     'model.moe.bias_update_rate': real(0),
-    'mtp.num_heads': integer(0),
     'mtp.ce_weight': real(0),
     'mtp.isolate_trunk': flag(),
     'mtp.head_vocab': integer(0, 'model.vocab_size'),
@@ -205,9 +208,30 @@ FIELD_RULES: dict[str, Rule] = {
 }
 
 
+# Fields renamed since some workdir's config.json was written: old name -> new name. A saved config
+# is read under the new names (training.saved_config); a config or an override that sets an old
+# name is refused with the new one. K had two names, the config's `mtp.num_heads` and the core's
+# `num_mtp_heads` (beside the attention heads' `num_heads`): it is now the core's, in config.model.
+RENAMED = {'mtp.num_heads': 'model.num_mtp_heads'}
+
+
+def with_current_names(saved: dict) -> dict:
+  """A saved config (nested dicts) with every field of RENAMED under its new name."""
+  out = copy.deepcopy(saved)
+  for old, new in RENAMED.items():
+    *parents, leaf = old.split('.')
+    node = functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, parents, out)
+    if isinstance(node, dict) and leaf in node:
+      *parents, new_leaf = new.split('.')
+      functools.reduce(lambda d, k: d.setdefault(k, {}), parents, out)[new_leaf] = node.pop(leaf)
+  return out
+
+
 def check_fields(config: ml_collections.ConfigDict) -> None:
   """Every field against its rule in FIELD_RULES; a field no rule knows is refused as a likely typo."""
   for name, value in traverse_util.flatten_dict(config.to_dict(), sep='.').items():
+    if name in RENAMED:
+      raise ValueError(f'{name} is now {RENAMED[name]}; set that instead')
     if name not in FIELD_RULES:
       raise ValueError(f'{name}={value!r} is not a field of configs/base.py (validation.FIELD_RULES has no rule for it)')
     should = FIELD_RULES[name].bad(value, config)
@@ -229,7 +253,7 @@ def validate_config(config: ml_collections.ConfigDict, *, mesh: bool = True) -> 
 
 
 def _check_cross_fields(config: ml_collections.ConfigDict) -> None:
-  m, d, e, k = config.model, config.data, config.eval, config.mtp.num_heads
+  m, d, e, k = config.model, config.data, config.eval, config.model.num_mtp_heads
   if m.num_heads % m.num_kv_heads:
     raise ValueError(f'model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}')
   if m.head_dim % 2:
@@ -267,7 +291,8 @@ def _check_cross_fields(config: ml_collections.ConfigDict) -> None:
                      'and a train.init_from (the model that answers)')
   heads = tuple(config.looped.schedule)[-1] if config.looped.schedule else k
   if e.enabled and e.draft_depth and not heads:
-    raise ValueError(f'eval.draft_depth={e.draft_depth} drafts with MTP heads, but mtp.num_heads=0')
+    raise ValueError(f'eval.draft_depth={e.draft_depth} drafts with MTP heads, '
+                     'but model.num_mtp_heads=0')
   if e.draft_source != 'heads' and (e.tree or (e.draft_source == 'context' and e.draft_min_prob)):
     raise ValueError(f'eval.draft_source={e.draft_source!r} drafts chains from the context, without a tree '
                      f"({'eval.tree' if e.tree else 'or eval.draft_min_prob'}); leave those at their defaults")
@@ -288,7 +313,8 @@ def check_decoding_fits(config: ml_collections.ConfigDict) -> None:
     if longest + e.max_new_tokens > m.max_seq_len:
       raise ValueError(f'eval.max_prompt_tokens={e.max_prompt_tokens} + eval.max_new_tokens={e.max_new_tokens} '
                        f'exceeds model.max_seq_len={m.max_seq_len}: a prompt and its generation must fit')
-    heads = tuple(config.looped.schedule)[-1] if config.looped.schedule else config.mtp.num_heads
+    schedule = tuple(config.looped.schedule)
+    heads = schedule[-1] if schedule else config.model.num_mtp_heads
     depth = e.draft_depth or heads
     if depth and heads:  # the decoding state (a tree keeps one row per path) must fit before anything trains
       _check_cross_fields(config)  # a model that cannot be built is named by its own rule first
