@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = sorted(glob.glob(os.path.join(ROOT, 'docs', 'data', '*.json')))
 # The sections rerun to keep their data (the real-model recipe; the seeded mtp_vs_mtpd sweep joins
 # when its rerun lands); any other file in docs/data/ is checked too.
-REQUIRED = ('smollm2_mtpd-cpu.json',)
+REQUIRED = ('mtp_vs_mtpd-s3.json', 'smollm2_mtpd-cpu.json')
 
 
 def _sections() -> list[str]:
