@@ -1,4 +1,5 @@
-"""Sweep reports in the paper's layout: results.md, results.json and plots, from the runs' summaries.
+"""Sweep reports in the paper's layout: results.md, results.json and plots, from the runs'
+summaries.
 
 A row is one sweep point; with several seeds each cell is mean ± std over them. Columns follow
 the paper's Table 2: per prompt set the main-head metric (teacher-forced next-token accuracy on
@@ -11,7 +12,8 @@ import os
 import numpy as np
 
 from mtpd_jax import runtime, train
-from mtpd_jax.harness.paired import BOOTSTRAP_SAMPLES, paired_differences, set_mean, unpaired_warnings
+from mtpd_jax.harness.paired import (BOOTSTRAP_SAMPLES, paired_differences, set_mean,
+                                     unpaired_warnings)
 
 
 def _mean_pm(values, scale: float = 1.0, digits: int = 2) -> str:
@@ -29,6 +31,17 @@ def _evals(runs):
 
 def _at(seq, k):
   return seq[k] if k < len(seq) else None
+
+
+def _prompt_sets(rows):
+  """Every evaluated prompt set's metrics, over all rows and seeds."""
+  return [p for _, runs in rows for ev in _evals(runs) for p in ev['prompt_sets'].values()]
+
+
+def _interval(d: dict, scale: float = 100.0, digits: int = 2) -> str:
+  """'+diff [lo, hi]' of a paired difference."""
+  f = lambda x: f'{scale * x:+.{digits}f}'
+  return f"{f(d['diff'])} [{f(d['lo'])}, {f(d['hi'])}]"
 
 
 NOISE = ' (inside noise)'
@@ -79,10 +92,11 @@ def _speed_cells(evs, base_evs, *, is_base: bool, batch1: bool) -> list[str]:
 
 
 def results_table(rows) -> str:
-  """Rows = variants; per prompt set 'main acc | AR1' (%), then the means, tokens/forward and speed."""
+  """Rows = variants; per prompt set 'main acc | AR1' (%), then the means, tokens/forward and
+  speed."""
   sets = sorted({n for _, runs in rows for ev in _evals(runs) for n in ev['prompt_sets']})
   base_label, base_runs = rows[0]
-  batch1 = any('speedup_batch1' in p for _, runs in rows for ev in _evals(runs) for p in ev['prompt_sets'].values())
+  batch1 = any('speedup_batch1' in p for p in _prompt_sets(rows))
   head = (['variant'] + [f'{n}: main acc \\| AR1' for n in sets]
           + ['mean: main acc \\| AR1', 'held-out acc', 'tokens/fwd', 'speedup vs plain']
           + (['speedup vs plain, batch 1'] if batch1 else []) + [f'speed vs "{base_label}"'])
@@ -94,8 +108,9 @@ def results_table(rows) -> str:
       acc = [ev['prompt_sets'][n].get('main_accuracy') for ev in evs if n in ev['prompt_sets']]
       ar1 = [_at(ev['prompt_sets'][n]['ar'], 0) for ev in evs if n in ev['prompt_sets']]
       cells.append(f'{_mean_pm(acc, 100)} \\| {_mean_pm(ar1, 100)}')
-    cells.append(f"{_mean_pm([set_mean(ev, lambda p: p.get('main_accuracy')) for ev in evs], 100)} \\| "
-                 f"{_mean_pm([set_mean(ev, lambda p: _at(p['ar'], 0)) for ev in evs], 100)}")
+    acc = [set_mean(ev, lambda p: p.get('main_accuracy')) for ev in evs]
+    ar1 = [set_mean(ev, lambda p: _at(p['ar'], 0)) for ev in evs]
+    cells.append(f'{_mean_pm(acc, 100)} \\| {_mean_pm(ar1, 100)}')
     cells.append(_mean_pm([ev['heldout']['accuracy'] for ev in evs], 100))
     cells.append(_mean_pm([set_mean(ev, lambda p: p['tokens_per_forward']) for ev in evs]))
     cells += _speed_cells(evs, _evals(base_runs), is_base=label == base_label, batch1=batch1)
@@ -112,8 +127,7 @@ def speed_caption(rows) -> str:
           'beside each cancels the load of the machine between them; a row whose trunk differs '
           'from the first row\'s, as an MoE row\'s, decodes plainly at another cost, and its '
           'cell, marked (tokens/s), divides raw speculative tokens/s timed apart).')
-  rounds = {len(p['speedup_rounds']) for _, runs in rows for ev in _evals(runs)
-            for p in ev['prompt_sets'].values() if p.get('speedup_rounds')}
+  rounds = {len(p['speedup_rounds']) for p in _prompt_sets(rows) if p.get('speedup_rounds')}
   if rounds == {1}:
     text += (' Each speed is one timing round (eval.repeats = 1, a smoke timing): none of '
              'their differences can be told from noise.')
@@ -132,18 +146,18 @@ def speed_caption(rows) -> str:
 
 
 def depth_of(rows) -> int:
-  return max((len(p['ar']) for _, runs in rows for ev in _evals(runs) for p in ev['prompt_sets'].values()),
-             default=0)
+  return max((len(p['ar']) for p in _prompt_sets(rows)), default=0)
 
 
 def per_head_table(rows) -> str:
   """Rows = variants, columns = draft depths, cells 'CAR / AR' (%) averaged over prompt sets."""
   depth = depth_of(rows)
-  lines = ['| variant | ' + ' | '.join(f'head {k + 1}' for k in range(depth)) + ' |', '|---|' + '---|' * depth]
+  heads = ' | '.join(f'head {k + 1}' for k in range(depth))
+  lines = [f'| variant | {heads} |', '|---|' + '---|' * depth]
   for label, runs in rows:
     evs = _evals(runs)
-    cells = [f"{_mean_pm([set_mean(ev, lambda p: _at(p['car'], k)) for ev in evs], 100)} / "
-             f"{_mean_pm([set_mean(ev, lambda p: _at(p['ar'], k)) for ev in evs], 100)}" for k in range(depth)]
+    at_depth = lambda key, k: _mean_pm([set_mean(ev, lambda p: _at(p[key], k)) for ev in evs], 100)
+    cells = [f"{at_depth('car', k)} / {at_depth('ar', k)}" for k in range(depth)]
     lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines)
 
@@ -156,9 +170,9 @@ def paired_table(paired: dict) -> str:
     for name, d in entry['sets'].items():
       ar, tpf = d['ar1'], d['tokens_per_forward']
       per_seed = ', '.join(f'{100 * x:+.1f}' for x in d.get('ar1_per_seed', ()))
-      lines.append(f"| {label} | {entry['reference']} | {name} | {d['prompts']} × {d.get('seeds', 1)} | "
-                   f"{100 * ar['diff']:+.2f} [{100 * ar['lo']:+.2f}, {100 * ar['hi']:+.2f}] | {per_seed} | "
-                   f"{tpf['diff']:+.3f} [{tpf['lo']:+.3f}, {tpf['hi']:+.3f}] | {ar['verdict']} |")
+      cells = [label, entry['reference'], name, f"{d['prompts']} × {d.get('seeds', 1)}", _interval(ar),
+               per_seed, _interval(tpf, 1.0, 3), ar['verdict']]
+      lines.append('| ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines)
 
 
@@ -167,13 +181,14 @@ def main_head_table(paired: dict) -> str:
   rows = [(label, e) for label, e in paired.items() if e.get('main')]
   if not rows:
     return ''
-  cell = lambda d: '–' if d is None else f"{100 * d['diff']:+.2f} [{100 * d['lo']:+.2f}, {100 * d['hi']:+.2f}] {d['verdict']}"
-  lines = ['| variant | minus | seeds | held-out acc (points) [95% interval] | prompt-set acc (points) [95% interval] |',
-           '|---|---|---|---|---|']
+  cell = lambda d: '–' if d is None else f"{_interval(d)} {d['verdict']}"
+  lines = ['| variant | minus | seeds | held-out acc (points) [95% interval] '
+           '| prompt-set acc (points) [95% interval] |', '|---|---|---|---|---|']
   for label, e in rows:
     m = e['main']
     seeds = next(iter(m.values()))['seeds']
-    lines.append(f"| {label} | {e['reference']} | {seeds} | {cell(m.get('heldout_acc'))} | {cell(m.get('prompt_acc'))} |")
+    cells = [label, e['reference'], str(seeds), cell(m.get('heldout_acc')), cell(m.get('prompt_acc'))]
+    lines.append('| ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines)
 
 
@@ -191,7 +206,8 @@ def head_bars(rows, key: str):
   mean, spread = np.full((len(rows), depth), np.nan), np.zeros((len(rows), depth))
   for i, (_, runs) in enumerate(rows):
     for k in range(depth):
-      seeds = [100 * v for ev in _evals(runs) if (v := set_mean(ev, lambda p: _at(p[key], k))) is not None]
+      values = [set_mean(ev, lambda p: _at(p[key], k)) for ev in _evals(runs)]
+      seeds = [100 * v for v in values if v is not None]
       if seeds:
         mean[i, k] = np.mean(seeds)
         spread[i, k] = np.std(seeds, ddof=1) if len(seeds) > 1 else 0.0
@@ -204,7 +220,8 @@ def plot_acceptance(rows, path: str) -> None:
   depth = depth_of(rows)
   plt = _plt()
   width = 0.8 / max(len(rows), 1)
-  fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 1.1 * depth + 0.25 * len(rows) + 3) + 2.5, 7), sharex=True)
+  fig_width = max(6.0, 1.1 * depth + 0.25 * len(rows) + 3) + 2.5
+  fig, axes = plt.subplots(2, 1, figsize=(fig_width, 7), sharex=True)
   for ax, key, title in zip(axes, ('ar', 'car'), ('AR (conditional) %', 'CAR (cumulative) %')):
     mean_by_row, spread_by_row = head_bars(rows, key)
     for i, (label, _) in enumerate(rows):
@@ -214,14 +231,16 @@ def plot_acceptance(rows, path: str) -> None:
     ax.set(title=title, ylim=(0, 100), xticks=range(1, depth + 1))
     ax.grid(alpha=0.3, axis='y')
   axes[1].set_xlabel('draft depth (head)')
-  axes[0].legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))  # beside the bars, not on them
+  # Beside the bars, not on them.
+  axes[0].legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
 
 
 def plot_loss_curves(rows, run_dirs, path: str) -> None:
-  """Training loss of the main head and of every MTP head against step, one panel per variant (Fig. 7)."""
+  """Training loss of the main head and of every MTP head against step, one panel per variant
+  (Fig. 7)."""
   plt = _plt()
   fig, axes = plt.subplots(1, len(rows), figsize=(3.6 * len(rows), 3.2), squeeze=False, sharey=True)
   for ax, (label, _), dirs in zip(axes[0], rows, run_dirs):
@@ -229,7 +248,8 @@ def plot_loss_curves(rows, run_dirs, path: str) -> None:
     if os.path.exists(metrics_path):
       with open(metrics_path) as f:
         logged = [r for r in map(json.loads, f) if 'train/xent' in r]
-      keys = ['train/xent'] + sorted(k for k in (logged[0] if logged else {}) if k.endswith('/xent') and '/mtp/' in k)
+      first = logged[0] if logged else {}
+      keys = ['train/xent'] + sorted(k for k in first if k.endswith('/xent') and '/mtp/' in k)
       for key in keys:
         ax.plot([r['step'] for r in logged], [r[key] for r in logged],
                 label='main' if key == 'train/xent' else key.split('/')[2])
@@ -253,14 +273,15 @@ def curves(run_dirs) -> list[list[dict]]:
     lines = []
     if os.path.exists(path):
       with open(path) as f:
-        lines = [{k: v for k, v in r.items() if k == 'step' or k.startswith('eval/')} for r in map(json.loads, f)
-                 if any(k.startswith('eval/mtp/') for k in r)]
+        logged = [r for r in map(json.loads, f) if any(k.startswith('eval/mtp/') for k in r)]
+      lines = [{k: v for k, v in r.items() if k == 'step' or k.startswith('eval/')} for r in logged]
     out.append([r for i, r in enumerate(lines) if i == 0 or r['step'] != lines[i - 1]['step']])
   return out
 
 
 def curve_table(points: list[dict], tokens_per_step: int | None) -> str:
-  """One line per held-out evaluation: each head's cross-entropy and agreement with the main head."""
+  """One line per held-out evaluation: each head's cross-entropy and agreement with the main
+  head."""
   heads = sorted({int(k.split('/')[2][1:]) for r in points for k in r if k.startswith('eval/mtp/')})
   head = ['step'] + (['tokens seen'] if tokens_per_step else []) + [
       f'head {k} {what}' for k in heads for what in ('xent', 'agree %')]
@@ -276,71 +297,81 @@ def curve_table(points: list[dict], tokens_per_step: int | None) -> str:
 
 def decoding_cost_table(rows) -> str:
   """Per row and prompt set: the measured step costs and what they make of the tokens per forward."""
-  lines = ['| variant | set | plain step ms | speculative step ms | verify cost ratio | tokens / forward | '
-           'analytic speedup | measured speedup | measured speedup, batch 1 | lossless |', '|' + '---|' * 10]
+  lines = ['| variant | set | plain step ms | speculative step ms | verify cost ratio | '
+           'tokens / forward | analytic speedup | measured speedup | measured speedup, batch 1 | '
+           'lossless |', '|' + '---|' * 10]
   for label, runs in rows:
     evs = _evals(runs)
     for name in sorted({n for ev in evs for n in ev['prompt_sets']}):
       sets = [ev['prompt_sets'][name] for ev in evs if name in ev['prompt_sets']]
       cell = lambda key, digits: _mean_pm([p.get(key) for p in sets], digits=digits)
-      lines.append(f"| {label} | {name} | {cell('plain_step_ms', 2)} | {cell('spec_step_ms', 2)} | "
-                   f"{cell('verify_cost_ratio', 2)} | {cell('tokens_per_forward', 3)} | {cell('speedup_analytic', 3)} | "
-                   f"{cell('speedup_measured', 3)} | {cell('speedup_batch1', 3)} | "
-                   f"{all(p.get('lossless', False) for p in sets)} |")
+      cells = [label, name, cell('plain_step_ms', 2), cell('spec_step_ms', 2),
+               cell('verify_cost_ratio', 2), cell('tokens_per_forward', 3),
+               cell('speedup_analytic', 3), cell('speedup_measured', 3), cell('speedup_batch1', 3),
+               str(all(p.get('lossless', False) for p in sets))]
+      lines.append('| ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines)
 
 
 DATA_FORMAT = 1
 
 
-def section_data(rows, run_dirs, *, title: str, num_seeds: int, references: dict[str, str] | None = None,
-                 tokens_per_step: int | None = None) -> dict:
+def section_data(rows, run_dirs, *, title: str, num_seeds: int,
+                 references: dict[str, str] | None = None, tokens_per_step: int | None = None) -> dict:
   """The small JSON a report is computed from (data.json; docs/data/ keeps the published ones): per
-  row and seed the evaluation (per-prompt counts included), each row's learning curve, the references."""
-  return {'format': DATA_FORMAT, 'title': title, 'num_seeds': num_seeds, 'references': references or {},
-          'tokens_per_step': tokens_per_step,
+  row and seed the evaluation (per-prompt counts included), each row's learning curve, the
+  references."""
+  return {'format': DATA_FORMAT, 'title': title, 'num_seeds': num_seeds,
+          'references': references or {}, 'tokens_per_step': tokens_per_step,
           'rows': [{'label': label, 'runs': [{'seed': int(r.get('seed', i)), 'eval': r['eval']}
                                              for i, r in enumerate(runs) if r.get('eval')]}
                    for label, runs in rows],
           'curves': dict(zip([label for label, _ in rows], curves(run_dirs)))}
 
 
-def markdown(data: dict) -> str:
-  """The report of a `section_data`: the paper's table, CAR/AR per depth, the paired differences,
-  the main head's, the learning curves (rows evaluated more than once) and the decoding cost."""
+def markdown(data: dict, paired: dict | None = None) -> str:
+  """The report of a `section_data`: the paper's table, CAR/AR per depth, the paired differences
+  (`paired`: `paired_differences` of its rows, computed when not given), the main head's, the
+  learning curves (rows evaluated more than once) and the decoding cost."""
   rows = [(r['label'], r['runs']) for r in data['rows']]
   num_seeds = data['num_seeds']
-  paired = paired_differences(rows, data['references'])
+  if paired is None:
+    paired = paired_differences(rows, data['references'])
+  spread = (f'{num_seeds} seeds per row: each cell is mean ± std over them. ' if num_seeds > 1 else
+            '1 seed per row, so no spread is shown (`--config.seeds=3` adds it). ')
+  caption = (spread + 'Main acc: the main head\'s teacher-forced next-token accuracy on each prompt '
+             'set; held-out acc: on held-out training text. AR1: acceptance rate of head 1 under '
+             'greedy speculative decoding of the set. tokens/fwd: emitted tokens per main forward '
+             '(the bonus token counts). ' + speed_caption(rows))
+  out = [f"# {data['title']}", '', caption, '', results_table(rows), '',
+         '## CAR / AR (%) per draft depth, mean over prompt sets', '', per_head_table(rows), '']
+  if paired:
+    out += ['## Paired differences from a reference row', '',
+            'The same prompts decoded by both rows, seed i against seed i; the interval is the '
+            f'2.5-97.5 percentile of the difference over {BOOTSTRAP_SAMPLES} resamples of the seeds '
+            'and, within each, of the prompts; `all` pools the prompt sets. AR1 says whether the '
+            'interval lies above zero (higher), below (lower) or holds zero (inconclusive).', '',
+            paired_table(paired), '']
+    out += [w + '\n' for w in unpaired_warnings(paired)]
   main_md = main_head_table(paired)
+  if main_md:
+    out += ['## The main head: paired differences over seeds', '',
+            "Seed i of a row minus seed i of its reference; the interval is the mean's 95% "
+            't-interval over the seeds (the held-out and prompt-set accuracies are measured once per '
+            'seed).', '', main_md, '']
   curve_rows = [(label, points) for label, points in data.get('curves', {}).items() if len(points) > 1]
-  return '\n'.join([
-      f"# {data['title']}", '',
-      (f'{num_seeds} seeds per row: each cell is mean ± std over them. ' if num_seeds > 1 else
-       '1 seed per row, so no spread is shown (`--config.seeds=3` adds it). ') + 'Main acc: the main head\'s teacher-forced next-token '
-      'accuracy on each prompt set; held-out acc: on held-out training text. AR1: acceptance rate of head '
-      '1 under greedy speculative decoding of the set. tokens/fwd: emitted tokens per main forward (the '
-      'bonus token counts). ' + speed_caption(rows), '',
-      results_table(rows), '', '## CAR / AR (%) per draft depth, mean over prompt sets', '',
-      per_head_table(rows), ''] + ([
-          '## Paired differences from a reference row', '',
-          f'The same prompts decoded by both rows, seed i against seed i; the interval is the 2.5-97.5 '
-          f'percentile of the difference over {BOOTSTRAP_SAMPLES} resamples of the seeds and, within each, of '
-          'the prompts; `all` pools the prompt sets. AR1 says whether the interval lies above zero (higher), '
-          'below (lower) or holds zero (inconclusive).', '',
-          paired_table(paired), ''] + [w + '\n' for w in unpaired_warnings(paired)] if paired else []) + ([
-          '## The main head: paired differences over seeds', '',
-          "Seed i of a row minus seed i of its reference; the interval is the mean's 95% t-interval over "
-          'the seeds (the held-out and prompt-set accuracies are measured once per seed).', '',
-          main_md, ''] if main_md else []) + ([
-          '## Learning curves (held-out; agreement: head k\'s argmax equals the main head\'s)', ''] + [
-          f'{label} (first seed):\n\n{curve_table(points, data.get("tokens_per_step"))}\n'
-          for label, points in curve_rows] if curve_rows else []) + ([
-          '## Decoding cost (each row\'s eval.json; speculative over plain greedy, one process)', '',
-          decoding_cost_table(rows), ''] if depth_of(rows) else []))
+  if curve_rows:
+    out += ['## Learning curves (held-out; agreement: head k\'s argmax equals the main head\'s)', '']
+    out += [f'{label} (first seed):\n\n{curve_table(points, data.get("tokens_per_step"))}\n'
+            for label, points in curve_rows]
+  if depth_of(rows):
+    out += ['## Decoding cost (each row\'s eval.json; speculative over plain greedy, one process)', '',
+            decoding_cost_table(rows), '']
+  return '\n'.join(out)
 
 
-def write(rows, run_dirs, out_dir: str, *, title: str, num_seeds: int, references: dict[str, str] | None = None,
-          tokens_per_step: int | None = None) -> str:
+def write(rows, run_dirs, out_dir: str, *, title: str, num_seeds: int,
+          references: dict[str, str] | None = None, tokens_per_step: int | None = None) -> str:
   """results.md, data.json, results.json, acceptance.png and loss_curves.png in `out_dir`; returns
   the markdown, which is `markdown` of data.json (`python -m experiments.report` regenerates it).
 
@@ -349,11 +380,12 @@ def write(rows, run_dirs, out_dir: str, *, title: str, num_seeds: int, reference
   os.makedirs(out_dir, exist_ok=True)
   data = section_data(rows, run_dirs, title=title, num_seeds=num_seeds, references=references,
                       tokens_per_step=tokens_per_step)
-  md = markdown(data)
+  paired = paired_differences(rows, references or {})
+  md = markdown(data, paired)
   runtime.write_atomically(os.path.join(out_dir, 'results.md'), md)
   runtime.write_atomically(os.path.join(out_dir, 'data.json'), json.dumps(data, indent=1))
-  runtime.write_atomically(os.path.join(out_dir, 'results.json'), json.dumps(
-      {'rows': {label: runs for label, runs in rows}, 'paired': paired_differences(rows, references or {})}, indent=2))
+  results = {'rows': {label: runs for label, runs in rows}, 'paired': paired}
+  runtime.write_atomically(os.path.join(out_dir, 'results.json'), json.dumps(results, indent=2))
   if depth_of(rows):
     plot_acceptance(rows, os.path.join(out_dir, 'acceptance.png'))
   plot_loss_curves(rows, run_dirs, os.path.join(out_dir, 'loss_curves.png'))
