@@ -260,3 +260,23 @@ def test_a_bad_data_file_is_one_line_and_exit_2(tmp_path, content, message):
   result = subprocess.run([sys.executable, '-m', 'experiments.report', str(path)], capture_output=True, text=True,
                           cwd=ROOT)
   assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_learning_curves_keep_each_held_out_evaluation_once_and_tabulate_every_head(tmp_path):
+  """A row's curve is the `eval/` lines of its first seed's metrics.jsonl that carry head metrics,
+  one per step (a resumed run may log a step twice), and the table gives each head's xent and
+  agreement, with the tokens seen."""
+  lines = [{'step': 2, 'train/loss': 5.0},
+           {'step': 4, 'eval/loss': 4.5, 'eval/mtp/k1/xent': 4.0, 'eval/mtp/k1/agree': 0.25},
+           {'step': 4, 'eval/loss': 4.5, 'eval/mtp/k1/xent': 4.0, 'eval/mtp/k1/agree': 0.25},
+           {'step': 8, 'eval/loss': 4.0, 'eval/mtp/k1/xent': 3.5, 'eval/mtp/k1/agree': 0.5,
+            'eval/mtp/k2/xent': 3.75}]
+  run = tmp_path / 'seed0'
+  run.mkdir()
+  (run / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in lines))
+  got = report.curves([[str(run)], []])
+  assert got[1] == []  # a row without runs
+  assert [r['step'] for r in got[0]] == [4, 8] and 'train/loss' not in got[0][0]
+  table = report.curve_table(got[0], tokens_per_step=1000).splitlines()
+  assert table[0] == '| step | tokens seen | head 1 xent | head 1 agree % | head 2 xent | head 2 agree % |'
+  assert table[2:] == ['| 4 | 4,000 | 4.000 | 25.0 | – | – |', '| 8 | 8,000 | 3.500 | 50.0 | 3.750 | – |']
